@@ -1,0 +1,14 @@
+"""FlexiCache: sparse per-head top-K page KV cache for transformers, with a host tier for stable heads.
+
+Importing the package registers the ``"flexicache"`` attention implementation with transformers.
+"""
+
+from flexicache.attention import register as _register_attention
+from flexicache.cache import FlexiCache, FlexiLayer
+from flexicache.config import FlexiCacheConfig
+from flexicache.profile import HeadProfile
+
+_register_attention()
+
+__all__ = ["FlexiCache", "FlexiCacheConfig", "FlexiLayer", "HeadProfile"]
+__version__ = "0.1.0"

@@ -1,0 +1,412 @@
+"""``FlexiCache``: a transformers cache with sparse per-head top-K page attention at decode.
+
+Each decoder layer is a :class:`FlexiLayer` holding its KV heads in two classes (from a :class:`HeadProfile`):
+unstable heads keep every page on the device (:class:`~flexicache.paging.ResidentPages`) and rerank every decode
+step; stable heads keep only their selected pages plus the tail page on the device, the full KV in the host tier
+(:class:`~flexicache.offload.OffloadedPages`), and rerank every ``rerank_interval`` steps.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from flexicache import attention
+from flexicache.backends import DecodeBackend, resolve_backend
+from flexicache.config import FlexiCacheConfig
+from flexicache.offload import OffloadedPages, TransferCounters
+from flexicache.paging import PageMetadata, ResidentPages, chunk_tokens
+from flexicache.profile import HeadProfile, model_shape
+from flexicache.selection import quest_page_scores, select_pages
+from flexicache.sequence import AppendPlan, SequenceState
+
+
+class FlexiLayer(CacheLayerMixin):
+    """One decoder layer's KV: resident (unstable) heads, offloaded (stable) heads, and their page metadata."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, layer_idx: int, settings: FlexiCacheConfig, unstable_heads: list[int], num_kv_heads: int,
+                 sequence: SequenceState) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.settings = settings
+        self.num_kv_heads = num_kv_heads
+        self.unstable_heads = list(unstable_heads)
+        self.stable_heads = [head for head in range(num_kv_heads) if head not in set(unstable_heads)]
+        self.sequence = sequence
+        self._clear()
+
+    def _clear(self) -> None:
+        self.is_initialized = False
+        self.logical_length = 0  # logical positions seen by update(), padding included
+        self.committed_length = 0  # logical positions stored in pages
+        self.num_chunks = 0
+        self.plan: AppendPlan | None = None
+        self.resident: ResidentPages | None = None
+        self.offloaded: OffloadedPages | None = None
+        self.unstable_counters = TransferCounters()
+        self.decode_steps = 0
+
+    # ------------------------------------------------------------------------------------------ storage set-up
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch_size, num_heads, _, head_dim = key_states.shape
+        if num_heads != self.num_kv_heads:
+            raise ValueError(
+                f"Layer {self.layer_idx} received {num_heads} KV heads but the HeadProfile/config has "
+                f"{self.num_kv_heads}; build the cache from this model's config."
+            )
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.batch_size, self.head_dim = batch_size, head_dim
+        self.backend: DecodeBackend = resolve_backend(self.settings.backend, self.device)
+        page_size = self.settings.page_size
+        self.unstable_index = torch.tensor(self.unstable_heads, dtype=torch.long, device=self.device)
+        self.stable_index = torch.tensor(self.stable_heads, dtype=torch.long, device=self.device)
+        if self.unstable_heads:
+            self.resident = ResidentPages(batch_size, len(self.unstable_heads), page_size, head_dim, self.dtype,
+                                          self.device)
+            self.resident_meta = PageMetadata(batch_size, len(self.unstable_heads), head_dim, self.dtype,
+                                              self.device, capacity=0)
+        if self.stable_heads:
+            self.offloaded = OffloadedPages(batch_size, len(self.stable_heads), self.settings.pages_per_head,
+                                            page_size, head_dim, self.dtype, self.device)
+            self.stable_meta = PageMetadata(batch_size, len(self.stable_heads), head_dim, self.dtype, self.device,
+                                            capacity=0)
+        self.is_initialized = True
+
+    # ------------------------------------------------------------------------------------ transformers protocol
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage the new tokens for the flexicache attention; return the keys/values dense attention would need.
+
+        Args:
+            key_states, value_states: ``[B, H, T, D]`` (RoPE applied).
+
+        Returns:
+            The new tokens for a prefill or a decode step; past (read back from the pages) + new for several
+            tokens on a non-empty cache, ``[B, H, L + T, D]``.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.logical_length
+        attention.stage(attention.StagedChunk(self, self.layer_idx, key_states, value_states, start))
+        self.logical_length += key_states.shape[2]
+        if start == 0 or key_states.shape[2] == 1:
+            return key_states, value_states
+        past_keys, past_values = self.read_logical()
+        return torch.cat([past_keys, key_states], dim=2), torch.cat([past_values, value_states], dim=2)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.logical_length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.logical_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self._clear()
+
+    # ----------------------------------------------------------------------------------------- append & decode
+
+    def commit(self, chunk: attention.StagedChunk, query: torch.Tensor, real_tokens: torch.Tensor | None) -> None:
+        """Write a staged chunk into pages (padding skipped); after several tokens, rerank the stable heads.
+
+        Args:
+            query: ``[B, Hq, T, D]`` queries of the chunk (the last one seeds the stable heads' selection).
+            real_tokens: ``[B, T]`` bool or ``None`` (all real).
+        """
+        keys, values = chunk.keys, chunk.values
+        plan = self.sequence.plan_chunk(self.num_chunks, real_tokens, keys.shape[0], keys.shape[2], self.device)
+        self.append(keys, values, plan)
+        if not chunk.is_decode and self.offloaded is not None:
+            self._rerank_stable(self._group_queries(query[:, :, -1], self.stable_index), plan)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, plan: AppendPlan) -> None:
+        """Append a chunk ``[B, H, T, D]`` to both head classes following ``plan``."""
+        if self.resident is not None:
+            new_k = chunk_tokens(keys.index_select(1, self.unstable_index), plan)
+            new_v = chunk_tokens(values.index_select(1, self.unstable_index), plan)
+            self.resident.append(new_k, new_v, plan)
+            self.resident_meta.append(new_k, plan)
+        if self.offloaded is not None:
+            new_k = chunk_tokens(keys.index_select(1, self.stable_index), plan)
+            new_v = chunk_tokens(values.index_select(1, self.stable_index), plan)
+            if plan.is_single_token:
+                self.offloaded.append_token(new_k, new_v, plan)
+            else:
+                self.offloaded.append_chunk(new_k, new_v, plan)
+            self.stable_meta.append(new_k, plan)
+        self.plan = plan
+        self.num_chunks += 1
+        self.committed_length += keys.shape[2]
+
+    def _group_queries(self, query: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """``[B * h, G, D]`` queries of the KV heads ``heads`` from ``query [B, Hq, D]``."""
+        batch_size, num_query_heads, head_dim = query.shape
+        grouped = query.view(batch_size, self.num_kv_heads, num_query_heads // self.num_kv_heads, head_dim)
+        return grouped.index_select(1, heads).flatten(0, 1)
+
+    def _rows(self, per_request: torch.Tensor, num_heads: int) -> torch.Tensor:
+        return per_request.repeat_interleave(num_heads)
+
+    def _rerank_stable(self, query: torch.Tensor, plan: AppendPlan) -> None:
+        """Rerank every stable row with ``query [B * hs, G, D]``."""
+        page_size = self.settings.page_size
+        full_pages = (plan.after - 1).clamp(min=0) // page_size
+        width = int((plan.after_host - 1).clamp(min=0).max()) // page_size
+        if width == 0:
+            self.offloaded.steps_since_rerank = 0
+            return
+        kmin, kmax = self.stable_meta.rows(width)
+        scores = quest_page_scores(query, kmin, kmax, self.settings.group_reduce)
+        self.offloaded.rerank(scores, self._rows(full_pages, len(self.stable_heads)))
+
+    def decode_attention(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Sparse attention of one query token per request over each KV head's selected pages.
+
+        Args:
+            query: ``[B, Hq, 1, D]``.
+
+        Returns:
+            ``[B, 1, Hq, D]``.
+        """
+        plan, page_size = self.plan, self.settings.page_size
+        batch_size, num_query_heads, _, head_dim = query.shape
+        group = num_query_heads // self.num_kv_heads
+        query = query[:, :, 0]
+        last_page_len = (plan.after - 1) % page_size + 1
+        output = query.new_empty(batch_size, self.num_kv_heads, group, head_dim)
+        self.decode_steps += 1
+        if self.resident is not None:
+            rows_query = self._group_queries(query, self.unstable_index)
+            slots, page_lens = self._resident_selection(rows_query, plan, last_page_len)
+            out = self.backend.paged_decode(rows_query, self.resident.pool_k, self.resident.pool_v, slots,
+                                            page_lens, scale)
+            output[:, self.unstable_index] = out.view(batch_size, -1, group, head_dim)
+        if self.offloaded is not None:
+            rows_query = self._group_queries(query, self.stable_index)
+            self.offloaded.steps_since_rerank += 1
+            if self.offloaded.steps_since_rerank >= self.settings.rerank_interval:
+                self._rerank_stable(rows_query, plan)
+            slots, page_lens = self.offloaded.decode_pages(self._rows(last_page_len, len(self.stable_heads)))
+            out = self.backend.paged_decode(rows_query, self.offloaded.pool_k, self.offloaded.pool_v, slots,
+                                            page_lens, scale)
+            output[:, self.stable_index] = out.view(batch_size, -1, group, head_dim)
+        return output.view(batch_size, num_query_heads, head_dim).unsqueeze(1)
+
+    def _resident_selection(self, query: torch.Tensor, plan: AppendPlan, last_page_len: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-K pages (sink and tail forced) of every unstable row: ``(slots, page_lens)``, ``[B * hu, k]``."""
+        page_size, num_heads = self.settings.page_size, len(self.unstable_heads)
+        num_pages = self._rows((plan.after + page_size - 1) // page_size, num_heads)
+        width = plan.max_pages_after
+        self.unstable_counters.reranks += query.shape[0]
+        if width <= self.settings.pages_per_head:  # every page fits in the budget: no scoring needed
+            pages = torch.arange(width, device=query.device).expand(query.shape[0], width)
+            pages = pages.masked_fill(pages >= num_pages.unsqueeze(1), -1)
+        else:
+            kmin, kmax = self.resident_meta.rows(width)
+            scores = quest_page_scores(query, kmin, kmax, self.settings.group_reduce)
+            pages, _ = select_pages(scores, num_pages, self.settings.pages_per_head, force_last=True)
+        is_tail = pages == (num_pages - 1).unsqueeze(1)
+        page_lens = torch.where(is_tail, self._rows(last_page_len, num_heads).unsqueeze(1), page_size)
+        page_lens = page_lens.masked_fill(pages < 0, 0)
+        return self.resident.page_slots(pages), page_lens
+
+    # ----------------------------------------------------------------------------------------------- read back
+
+    def read_logical(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every committed token read back exactly, in logical positions: ``[B, H, L, D]`` (padding is zero)."""
+        valid = self.sequence.logical_valid()[:, : self.committed_length]
+        num_tokens = valid.sum(dim=1).cpu()
+        page_size = self.settings.page_size
+        num_pages = int((num_tokens.max() + page_size - 1) // page_size) if num_tokens.numel() else 0
+        shape = (self.batch_size, self.num_kv_heads, num_pages * page_size, self.head_dim)
+        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        values = torch.zeros_like(keys)
+        if self.resident is not None and num_pages:
+            keys[:, self.unstable_index], values[:, self.unstable_index] = self.resident.read_tokens(num_pages)
+        if self.offloaded is not None and num_pages:
+            keys[:, self.stable_index], values[:, self.stable_index] = self.offloaded.read_tokens(num_pages,
+                                                                                                  num_tokens)
+        logical_shape = (self.batch_size, self.num_kv_heads, self.committed_length, self.head_dim)
+        dense_keys = torch.zeros(logical_shape, dtype=self.dtype, device=self.device)
+        dense_values = torch.zeros_like(dense_keys)
+        batch, position = valid.nonzero(as_tuple=True)
+        rank = (valid.long().cumsum(dim=1) - 1)[batch, position]
+        dense_keys[batch, :, position] = keys[batch, :, rank]
+        dense_values[batch, :, position] = values[batch, :, rank]
+        return dense_keys, dense_values
+
+    # --------------------------------------------------------------------------------------------------- stats
+
+    def stats(self) -> dict[str, int]:
+        """Byte counts and work counters of this layer (see :meth:`FlexiCache.stats`)."""
+        if not self.is_initialized or self.plan is None:
+            return {}
+        page_size = self.settings.page_size
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        page_bytes = 2 * page_size * self.head_dim * element  # keys + values of one page of one head
+        pages_per_request = (self.sequence.num_tokens_host + page_size - 1) // page_size
+        used_pages = int(pages_per_request.sum())
+        stats = {
+            "device_kv_bytes": 0, "device_metadata_bytes": 0, "device_reserved_bytes": 0, "host_kv_bytes": 0,
+            "host_reserved_bytes": 0, "reranks_unstable": self.unstable_counters.reranks, "reranks_stable": 0,
+            "promoted_pages": 0, "bytes_h2d": 0, "bytes_d2h": 0,
+            "dense_kv_bytes": self.batch_size * self.num_kv_heads * self.logical_length * page_bytes // page_size,
+        }
+        if self.resident is not None:
+            stats["device_kv_bytes"] += used_pages * len(self.unstable_heads) * page_bytes
+            stats["device_metadata_bytes"] += self.resident_meta.nbytes
+            stats["device_reserved_bytes"] += self.resident.nbytes_reserved + self.resident_meta.nbytes
+        if self.offloaded is not None:
+            counters = self.offloaded.counters
+            stats["device_kv_bytes"] += self.offloaded.nbytes_reserved
+            stats["device_metadata_bytes"] += self.stable_meta.nbytes
+            stats["device_reserved_bytes"] += self.offloaded.nbytes_reserved + self.stable_meta.nbytes
+            stats["host_kv_bytes"] += used_pages * len(self.stable_heads) * page_bytes
+            stats["host_reserved_bytes"] += self.offloaded.host.nbytes_reserved
+            stats["reranks_stable"] = counters.reranks
+            stats["promoted_pages"] = counters.promoted_pages
+            stats["bytes_h2d"] = counters.bytes_h2d
+            stats["bytes_d2h"] = counters.bytes_d2h
+        return stats
+
+
+def check_supported_model(config: Any) -> None:
+    """Raise ``ValueError`` for models FlexiCache cannot serve (it needs full causal self-attention layers)."""
+    text_config = config.get_text_config(decoder=True)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError("FlexiCache supports decoder-only models; encoder-decoder models need EncoderDecoderCache.")
+    if getattr(text_config, "kv_lora_rank", None):
+        raise ValueError("FlexiCache does not support multi-head latent attention (MLA) models; use DynamicCache.")
+    layer_types, _ = get_layer_types_and_kwargs(text_config)
+    unsupported = sorted({kind for kind in layer_types if kind != "full_attention"})
+    if unsupported:
+        raise ValueError(
+            f"FlexiCache supports full-attention layers only, but this model has {unsupported} layers "
+            "(sliding-window, chunked, linear or shared-KV attention). Use DynamicCache for this model, or, if the "
+            "checkpoint does not really need its sliding window, set config.sliding_window = None first."
+        )
+
+
+class FlexiCache(DynamicCache):
+    """Sparse top-K page KV cache with a host tier for temporally stable heads.
+
+    Example::
+
+        cache = FlexiCache.from_model(model, token_budget=1024)
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=256)
+        cache.stats()
+
+    Args:
+        config: the model's config (shape, layer types).
+        profile: a :class:`HeadProfile`, a path to one, or ``None`` for :meth:`HeadProfile.default`.
+        token_budget, page_size, rerank_interval, group_reduce, backend: see :class:`FlexiCacheConfig`.
+    """
+
+    def __init__(self, config: Any, profile: HeadProfile | str | os.PathLike | None = None, token_budget: int = 2048,
+                 page_size: int = 16, rerank_interval: int = 16, group_reduce: str = "max",
+                 backend: str = "auto") -> None:
+        self.settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size,
+                                         rerank_interval=rerank_interval, group_reduce=group_reduce, backend=backend)
+        check_supported_model(config)
+        if profile is None:
+            profile = HeadProfile.default(config)
+        elif not isinstance(profile, HeadProfile):
+            profile = HeadProfile.load(profile)
+        profile.validate_for(config)
+        self.profile = profile
+        num_layers, num_kv_heads, _ = model_shape(config)
+        self.sequence = SequenceState(page_size)
+        layers = [
+            FlexiLayer(index, self.settings, profile.unstable_heads_of(index), num_kv_heads, self.sequence)
+            for index in range(num_layers)
+        ]
+        Cache.__init__(self, layers=layers)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, profile: HeadProfile | str | os.PathLike | None = None,
+                   **settings: Any) -> FlexiCache:
+        """Switch ``model`` to the flexicache attention and build a cache for it."""
+        if model.config._attn_implementation != attention.ATTENTION_NAME:
+            model.set_attn_implementation(attention.ATTENTION_NAME)
+        return cls(model.config, profile=profile, **settings)
+
+    # ----------------------------------------------------------------------------------------- cache protocol
+
+    def reset(self) -> None:
+        attention.clear_staged()
+        self.sequence.reset()
+        super().reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError(
+            "FlexiCache does not support beam search (num_beams > 1): use greedy decoding or sampling, "
+            "or DynamicCache for beam search."
+        )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` logical positions (negative count, as transformers passes it)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}.")
+        if tokens_to_remove == 0 or self.sequence.logical_length == 0:
+            return
+        keep = self.sequence.logical_length + tokens_to_remove
+        self._rebuild(lambda tensor: tensor[:, :, :keep] if tensor.dim() == 4 else tensor[:, :keep])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._rebuild(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._rebuild(lambda tensor: tensor[indices.to(tensor.device)])
+
+    def _rebuild(self, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Read every token back, transform keys/values ``[B, H, L, D]`` and validity ``[B, L]``, re-page.
+
+        The stable heads rerank at the next decode step (their selection needs a query).
+        """
+        if self.sequence.logical_length == 0:
+            return
+        valid = transform(self.sequence.logical_valid())
+        contents = [(layer, *map(transform, layer.read_logical())) for layer in self.layers]
+        self.reset()
+        for layer, keys, values in contents:
+            layer.lazy_initialization(keys, values)
+            plan = self.sequence.plan_chunk(0, None if bool(valid.all()) else valid.to(layer.device),
+                                            keys.shape[0], keys.shape[2], layer.device)
+            layer.append(keys, values, plan)
+            layer.logical_length = keys.shape[2]
+            if layer.offloaded is not None:
+                layer.offloaded.steps_since_rerank = self.settings.rerank_interval
+
+    # --------------------------------------------------------------------------------------------------- stats
+
+    def stats(self) -> dict[str, Any]:
+        """Memory and work counters, summed over layers.
+
+        Keys: ``device_kv_bytes`` (pages in use on the device: unstable heads' pages + stable heads' K slots),
+        ``device_metadata_bytes`` (page min/max), ``device_reserved_bytes`` (all device tensors, capacity included),
+        ``host_kv_bytes`` (stable heads' pages in the host tier), ``host_reserved_bytes``, ``dense_kv_bytes``
+        (what DynamicCache would hold), ``reranks_unstable``/``reranks_stable`` (rows reranked: one row is one
+        request x one KV head), ``promoted_pages``, ``bytes_h2d``/``bytes_d2h``, ``decode_steps``, ``backend``.
+        """
+        totals: dict[str, Any] = {}
+        for layer in self.layers:
+            for name, value in layer.stats().items():
+                totals[name] = totals.get(name, 0) + value
+        first = self.layers[0]
+        totals["decode_steps"] = first.decode_steps
+        totals["backend"] = first.backend.name if first.is_initialized else None
+        totals["unstable_heads"] = len(self.profile.unstable_heads)
+        totals["token_budget"] = self.settings.token_budget
+        return totals

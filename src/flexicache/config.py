@@ -1,0 +1,55 @@
+"""Validated FlexiCache settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+BackendName = Literal["auto", "reference", "flashinfer"]
+
+
+@dataclass(frozen=True)
+class FlexiCacheConfig:
+    """Settings shared by every layer of a :class:`~flexicache.FlexiCache`.
+
+    Attributes:
+        token_budget: tokens each KV head attends to at decode; ``token_budget // page_size`` pages (K), the sink
+            page and the current tail page included.
+        page_size: tokens per page, a power of two.
+        rerank_interval: decode steps between two reranks of a stable head (unstable heads rerank every step).
+        group_reduce: how page scores of the query heads of one GQA group are combined, ``"max"`` or ``"sum"``.
+        backend: decode kernel: ``"auto"`` (FlashInfer on CUDA when installed, else the torch reference),
+            ``"reference"`` or ``"flashinfer"``.
+    """
+
+    token_budget: int = 2048
+    page_size: int = 16
+    rerank_interval: int = 16
+    group_reduce: Literal["max", "sum"] = "max"
+    backend: BackendName = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.page_size, int) or self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two (e.g. 16), got {self.page_size!r}.")
+        if not isinstance(self.token_budget, int) or self.token_budget < 2 * self.page_size:
+            raise ValueError(
+                f"token_budget={self.token_budget!r} is smaller than the sink page plus the tail page "
+                f"(2 * page_size = {2 * self.page_size}); raise token_budget or lower page_size."
+            )
+        if self.token_budget % self.page_size:
+            raise ValueError(
+                f"token_budget={self.token_budget} is not a multiple of page_size={self.page_size}; "
+                f"use {self.token_budget // self.page_size * self.page_size} or "
+                f"{(self.token_budget // self.page_size + 1) * self.page_size}."
+            )
+        if not isinstance(self.rerank_interval, int) or self.rerank_interval < 1:
+            raise ValueError(f"rerank_interval must be a positive integer, got {self.rerank_interval!r}.")
+        if self.group_reduce not in ("max", "sum"):
+            raise ValueError(f"group_reduce must be 'max' or 'sum', got {self.group_reduce!r}.")
+        if self.backend not in ("auto", "reference", "flashinfer"):
+            raise ValueError(f"backend must be 'auto', 'reference' or 'flashinfer', got {self.backend!r}.")
+
+    @property
+    def pages_per_head(self) -> int:
+        """K: pages each KV head attends to at decode."""
+        return self.token_budget // self.page_size

@@ -1,0 +1,252 @@
+"""Stable heads: the full KV in a host tier, only the selected pages plus the tail page on the device.
+
+Per row (request, stable head) the device holds ``K`` slots: ``K - 1`` for selected full pages (the sink among
+them) and the last one for the tail page (the page being written, 1..ps tokens). Full pages live in the host
+tier. A rerank scores every full page from the device-resident min/max metadata and copies only the newly
+promoted pages to the device; a tail page that fills is copied to the host and takes over a selected slot
+until the next rerank decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flexicache.paging import grow_dim
+from flexicache.selection import select_pages
+from flexicache.sequence import AppendPlan
+
+
+@dataclass
+class TransferCounters:
+    """Host <-> device traffic and rerank work of one layer's stable heads."""
+
+    reranks: int = 0  # row reranks (one row = one request x one head)
+    promoted_pages: int = 0
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+
+
+class HostTier:
+    """Full pages of ``h`` stable heads in host memory: ``k``/``v`` of shape ``[B, h, P, ps, D]`` (pinned on CUDA)."""
+
+    def __init__(self, batch_size: int, num_heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
+                 pin_memory: bool) -> None:
+        self.pin_memory = pin_memory
+        self.k = self._empty((batch_size, num_heads, 0, page_size, head_dim), dtype)
+        self.v = self._empty((batch_size, num_heads, 0, page_size, head_dim), dtype)
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, pin_memory=self.pin_memory)
+
+    def reserve(self, num_pages: int) -> None:
+        if num_pages <= self.k.shape[2]:
+            return
+        shape = list(self.k.shape)
+        shape[2] = max(num_pages, 2 * shape[2])
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            grown = self._empty(tuple(shape), old.dtype)
+            grown[:, :, : old.shape[2]].copy_(old)
+            setattr(self, name, grown)
+
+    @property
+    def nbytes_reserved(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class OffloadedPages:
+    """Device slots, selection state and host tier of the stable heads of one layer.
+
+    ``pool_k``/``pool_v``: ``[B * h * K, ps, D]``, slot of (row ``r``, position ``j``) is ``r * K + j``;
+    ``selected``: ``[B * h, K - 1]`` page held by each selection slot (``-1`` = empty);
+    ``selected_scores``: ``[B * h, K - 1]`` score of that page at the last rerank (``+inf`` = keep).
+    """
+
+    def __init__(self, batch_size: int, num_heads: int, pages_per_head: int, page_size: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.num_heads = num_heads
+        self.k = pages_per_head
+        self.page_size = page_size
+        rows = batch_size * num_heads
+        self.pool_k = torch.zeros(rows * pages_per_head, page_size, head_dim, dtype=dtype, device=device)
+        self.pool_v = torch.zeros_like(self.pool_k)
+        self.selected = torch.full((rows, pages_per_head - 1), -1, dtype=torch.long, device=device)
+        self.selected_scores = torch.full((rows, pages_per_head - 1), float("-inf"), device=device)
+        self.host = HostTier(batch_size, num_heads, page_size, head_dim, dtype, pin_memory=device.type == "cuda")
+        self.counters = TransferCounters()
+        self.steps_since_rerank = 0
+
+    @property
+    def num_rows(self) -> int:
+        return self.selected.shape[0]
+
+    @property
+    def nbytes_reserved(self) -> int:
+        return 2 * self.pool_k.numel() * self.pool_k.element_size()
+
+    def _tail_slots(self, batch: torch.Tensor) -> torch.Tensor:
+        """``[n * h]`` tail slots of the rows of requests ``batch [n]``."""
+        heads = torch.arange(self.num_heads, device=batch.device)
+        return ((batch.unsqueeze(1) * self.num_heads + heads) * self.k + self.k - 1).reshape(-1)
+
+    def _page_bytes(self, num_pages: int) -> int:
+        return 2 * num_pages * self.pool_k.shape[1] * self.pool_k.shape[2] * self.pool_k.element_size()
+
+    # ----------------------------------------------------------------------------------------------- append
+
+    def append_token(self, new_keys: torch.Tensor, new_values: torch.Tensor, plan: AppendPlan) -> None:
+        """Decode step: one real token per request (``[B, h, D]``) into the tail slots.
+
+        A request whose tail page is full first moves that page out: to the host tier, and into a selection slot.
+        """
+        full = (plan.before_host > 0) & (plan.before_host % self.page_size == 0)
+        if bool(full.any()):
+            self._retire_full_tails(full.nonzero().view(-1).to(self.pool_k.device), plan)
+        slots = self._tail_slots(plan.batch)
+        offsets = plan.offset.repeat_interleave(self.num_heads)
+        self.pool_k[slots, offsets] = new_keys.reshape(-1, new_keys.shape[-1]).to(self.pool_k.dtype)
+        self.pool_v[slots, offsets] = new_values.reshape(-1, new_values.shape[-1]).to(self.pool_v.dtype)
+
+    def _retire_full_tails(self, batch: torch.Tensor, plan: AppendPlan) -> None:
+        page = (plan.before[batch] - 1) // self.page_size  # [n] the full tail page of each request
+        self.host.reserve(int(plan.before_host.max()) // self.page_size)
+        tail_slots = self._tail_slots(batch)
+        self._offload_tails(batch, page, tail_slots)
+        rows = (batch.unsqueeze(1) * self.num_heads + torch.arange(self.num_heads, device=batch.device)).reshape(-1)
+        if self.k - 1 < 2:  # only the sink fits: the page waits on the host for the next rerank
+            return
+        # Victim: an empty slot first, else the lowest-scored page; the sink (page 0) is never evicted.
+        keep = torch.where(self.selected[rows] == 0, float("inf"), self.selected_scores[rows])
+        keep = keep.masked_fill(self.selected[rows] < 0, float("-inf"))
+        victim = keep.argmin(dim=1)
+        target = rows * self.k + victim
+        self.pool_k[target] = self.pool_k[tail_slots]
+        self.pool_v[target] = self.pool_v[tail_slots]
+        self.selected[rows, victim] = page.repeat_interleave(self.num_heads)
+        self.selected_scores[rows, victim] = float("inf")
+
+    def _offload_tails(self, batch: torch.Tensor, page: torch.Tensor, tail_slots: torch.Tensor) -> None:
+        """Copy the tail slots of requests ``batch`` to host page ``page`` (one per request)."""
+        shape = (batch.numel(), self.num_heads, self.page_size, self.pool_k.shape[-1])
+        batch_host, page_host = batch.cpu(), page.cpu()
+        self.host.k[batch_host, :, page_host] = self.pool_k[tail_slots].view(shape).cpu()
+        self.host.v[batch_host, :, page_host] = self.pool_v[tail_slots].view(shape).cpu()
+        self.counters.bytes_d2h += self._page_bytes(batch.numel() * self.num_heads)
+
+    def append_chunk(self, new_keys: torch.Tensor, new_values: torch.Tensor, plan: AppendPlan) -> None:
+        """Several tokens (prefill or extend, ``[N, h, D]`` in plan order): everything goes to the host tier.
+
+        The caller reranks right after, which fills the selection slots; the tail slot is refreshed here.
+        """
+        self.host.reserve(plan.max_pages_after)
+        started = (plan.before_host > 0).nonzero().view(-1).to(self.pool_k.device)
+        if started.numel():  # the old tail page may be partial and exist on the device only
+            self._offload_tails(started, (plan.before[started] - 1) // self.page_size, self._tail_slots(started))
+        batch_host, page_host, offset_host = plan.batch.cpu(), plan.page.cpu(), plan.offset.cpu()
+        self.host.k[batch_host, :, page_host, offset_host] = new_keys.to("cpu", self.host.k.dtype)
+        self.host.v[batch_host, :, page_host, offset_host] = new_values.to("cpu", self.host.v.dtype)
+        self.counters.bytes_d2h += 2 * new_keys.numel() * self.pool_k.element_size()
+        nonempty = (plan.after_host > 0).nonzero().view(-1)
+        tail_page = (plan.after_host[nonempty] - 1) // self.page_size
+        tails_k = self.host.k[nonempty, :, tail_page].reshape(-1, self.page_size, self.pool_k.shape[-1])
+        tails_v = self.host.v[nonempty, :, tail_page].reshape(-1, self.page_size, self.pool_k.shape[-1])
+        tail_slots = self._tail_slots(nonempty.to(self.pool_k.device))
+        self.pool_k[tail_slots] = tails_k.to(self.pool_k.device, non_blocking=True)
+        self.pool_v[tail_slots] = tails_v.to(self.pool_v.device, non_blocking=True)
+        self.counters.bytes_h2d += self._page_bytes(nonempty.numel() * self.num_heads)
+
+    # ----------------------------------------------------------------------------------------------- rerank
+
+    def rerank(self, scores: torch.Tensor, num_full_pages: torch.Tensor) -> None:
+        """Select the top ``K - 1`` full pages (sink forced) and copy only the newly promoted ones to the device.
+
+        Args:
+            scores: ``[B * h, P]`` page scores (``P`` >= the longest row's full pages).
+            num_full_pages: ``[B * h]`` full pages of each row (all pages but the tail).
+        """
+        self.counters.reranks += self.num_rows
+        self.steps_since_rerank = 0
+        slots_per_row = self.k - 1
+        width = scores.shape[1]
+        new_pages, _ = select_pages(scores, num_full_pages, slots_per_row, force_last=False)
+        if new_pages.shape[1] < slots_per_row:
+            new_pages = torch.nn.functional.pad(new_pages, (0, slots_per_row - new_pages.shape[1]), value=-1)
+        old_pages = self.selected
+        in_new = self._membership(new_pages, width)
+        in_old = self._membership(old_pages, width)
+        keep = (old_pages >= 0) & in_new.gather(1, old_pages.clamp(min=0).clamp(max=width))
+        promoted = in_new & ~in_old
+        promoted[:, width] = False
+        # Pair the r-th promoted page of a row with the r-th free slot of that row.
+        free = ~keep
+        free_rank = free.long().cumsum(1) - 1
+        free_slot_by_rank = torch.full_like(old_pages, -1)
+        free_rows, free_cols = free.nonzero(as_tuple=True)
+        free_slot_by_rank[free_rows, free_rank[free_rows, free_cols]] = free_cols
+        promo_rows, promo_pages = promoted.nonzero(as_tuple=True)
+        promo_rank = promoted.long().cumsum(1)[promo_rows, promo_pages] - 1
+        target_cols = free_slot_by_rank[promo_rows, promo_rank]
+        self._promote(promo_rows, promo_pages, promo_rows * self.k + target_cols)
+        selected = torch.where(keep, old_pages, -1)
+        selected[promo_rows, target_cols] = promo_pages
+        self.selected = selected
+        page_scores = scores.gather(1, selected.clamp(min=0)).to(self.selected_scores.dtype)
+        page_scores = page_scores.masked_fill(selected == 0, float("inf"))
+        self.selected_scores = page_scores.masked_fill(selected < 0, float("-inf"))
+
+    @staticmethod
+    def _membership(pages: torch.Tensor, width: int) -> torch.Tensor:
+        """``[R, width + 1]`` bool: page ``p`` is listed in the row (column ``width`` collects the -1 padding)."""
+        member = torch.zeros(pages.shape[0], width + 1, dtype=torch.bool, device=pages.device)
+        return member.scatter_(1, pages.masked_fill(pages < 0, width), True)
+
+    def _promote(self, rows: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
+        """Copy host pages (``rows``/``pages`` ``[n]``) into device ``slots [n]`` with one gather per tensor."""
+        if rows.numel() == 0:
+            return
+        host_k = self.host.k.view(-1, *self.host.k.shape[2:])  # [B * h, P, ps, D]
+        host_v = self.host.v.view(-1, *self.host.v.shape[2:])
+        rows_host, pages_host = rows.cpu(), pages.cpu()
+        self.pool_k[slots] = host_k[rows_host, pages_host].to(self.pool_k.device, non_blocking=True)
+        self.pool_v[slots] = host_v[rows_host, pages_host].to(self.pool_v.device, non_blocking=True)
+        self.counters.promoted_pages += rows.numel()
+        self.counters.bytes_h2d += self._page_bytes(rows.numel())
+
+    # ----------------------------------------------------------------------------------------------- decode
+
+    def decode_pages(self, last_page_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slots, page_lens)``, both ``[B * h, K]``: the selection slots, then the tail slot (last).
+
+        Args:
+            last_page_len: ``[B * h]`` tokens in each row's tail page.
+        """
+        rows = self.num_rows
+        slots = torch.arange(rows * self.k, device=self.pool_k.device).view(rows, self.k)
+        page_lens = torch.cat(
+            [(self.selected >= 0).long() * self.page_size, last_page_len.view(-1, 1).long()], dim=1
+        )
+        return slots, page_lens
+
+    def read_tokens(self, num_pages: int, num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, h, num_pages * ps, D]`` keys/values in token order on the device (host pages + tail slots).
+
+        Args:
+            num_tokens: ``[B]`` real tokens per request (CPU).
+        """
+        self.host.reserve(num_pages)
+        keys = self.host.k[:, :, :num_pages].clone()
+        values = self.host.v[:, :, :num_pages].clone()
+        nonempty = (num_tokens > 0).nonzero().view(-1)
+        tail_page = (num_tokens[nonempty] - 1) // self.page_size
+        tail_slots = self._tail_slots(nonempty.to(self.pool_k.device))
+        shape = (nonempty.numel(), self.num_heads, self.page_size, self.pool_k.shape[-1])
+        keys[nonempty, :, tail_page] = self.pool_k[tail_slots].view(shape).cpu()
+        values[nonempty, :, tail_page] = self.pool_v[tail_slots].view(shape).cpu()
+        batch_size = keys.shape[0]
+        device = self.pool_k.device
+        return (
+            keys.reshape(batch_size, self.num_heads, -1, keys.shape[-1]).to(device),
+            values.reshape(batch_size, self.num_heads, -1, values.shape[-1]).to(device),
+        )

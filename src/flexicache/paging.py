@@ -1,0 +1,113 @@
+"""Device page storage: per-page key min/max metadata and the page pool of heads that keep every page resident.
+
+Shapes: ``B`` requests, ``h`` KV heads of one class in one layer, ``P`` page capacity, ``ps`` page size,
+``D`` head dim. Rows (request, head) flatten as ``r = b * h + head``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexicache.sequence import AppendPlan
+
+
+def grow_dim(tensor: torch.Tensor, dim: int, size: int, fill: float | int | bool = 0) -> torch.Tensor:
+    """``tensor`` padded with ``fill`` along ``dim`` to at least ``size`` (capacity doubles to amortise copies)."""
+    current = tensor.shape[dim]
+    if size <= current:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = max(size, 2 * current)
+    grown = tensor.new_full(shape, fill)
+    grown.narrow(dim, 0, current).copy_(tensor)
+    return grown
+
+
+def chunk_tokens(keys: torch.Tensor, plan: AppendPlan) -> torch.Tensor:
+    """``[N, h, D]``: the real tokens of a chunk ``keys [B, h, T, D]`` in plan order."""
+    return keys.permute(0, 2, 1, 3)[plan.batch, plan.chunk_pos]
+
+
+class PageMetadata:
+    """Element-wise key min/max of every page of ``h`` heads: ``kmin``/``kmax`` of shape ``[B, h, P, D]``."""
+
+    def __init__(self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 capacity: int) -> None:
+        self.kmin = torch.full((batch_size, num_heads, capacity, head_dim), float("inf"), dtype=dtype, device=device)
+        self.kmax = torch.full_like(self.kmin, float("-inf"))
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.kmin.numel() * self.kmin.element_size()
+
+    def append(self, new_keys: torch.Tensor, plan: AppendPlan) -> None:
+        """Fold the chunk's real keys (``[N, h, D]`` in plan order) into their pages' min/max."""
+        batch_size, num_heads, _, head_dim = self.kmin.shape
+        self.kmin = grow_dim(self.kmin, 2, plan.max_pages_after, float("inf"))
+        self.kmax = grow_dim(self.kmax, 2, plan.max_pages_after, float("-inf"))
+        capacity = self.kmin.shape[2]
+        # New pages start empty (+inf/-inf) so that folding with include_self is exact.
+        self.kmin[plan.new_page_batch, :, plan.new_page_index] = float("inf")
+        self.kmax[plan.new_page_batch, :, plan.new_page_index] = float("-inf")
+        heads = torch.arange(num_heads, device=new_keys.device)
+        index = ((plan.batch.unsqueeze(1) * num_heads + heads) * capacity + plan.page.unsqueeze(1)).reshape(-1, 1)
+        index = index.expand(-1, head_dim)
+        source = new_keys.reshape(-1, head_dim).to(self.kmin.dtype)
+        self.kmin.view(-1, head_dim).scatter_reduce_(0, index, source, "amin")
+        self.kmax.view(-1, head_dim).scatter_reduce_(0, index, source, "amax")
+
+    def rows(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kmin, kmax)`` of the first ``num_pages`` pages as ``[B * h, num_pages, D]``."""
+        batch_size, num_heads, _, head_dim = self.kmin.shape
+        return (
+            self.kmin[:, :, :num_pages].reshape(batch_size * num_heads, num_pages, head_dim),
+            self.kmax[:, :, :num_pages].reshape(batch_size * num_heads, num_pages, head_dim),
+        )
+
+
+class ResidentPages:
+    """Every page of ``h`` heads on the device: a growable pool plus a page table per row.
+
+    ``pool_k``/``pool_v``: ``[S, ps, D]``; ``table``: ``[B, h, P]`` pool slot of every page (``-1`` = none).
+    Slots are handed out in order and never freed (the cache rebuilds on crop/reset).
+    """
+
+    def __init__(self, batch_size: int, num_heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_heads = num_heads
+        self.page_size = page_size
+        self.pool_k = torch.zeros(0, page_size, head_dim, dtype=dtype, device=device)
+        self.pool_v = torch.zeros_like(self.pool_k)
+        self.table = torch.full((batch_size, num_heads, 0), -1, dtype=torch.long, device=device)
+        self.next_slot = 0
+
+    @property
+    def nbytes_reserved(self) -> int:
+        return 2 * self.pool_k.numel() * self.pool_k.element_size()
+
+    def append(self, new_keys: torch.Tensor, new_values: torch.Tensor, plan: AppendPlan) -> None:
+        """Write the chunk's real tokens (``[N, h, D]`` in plan order), opening the pages they start."""
+        num_new = plan.num_new_pages * self.num_heads
+        if num_new:
+            self.table = grow_dim(self.table, 2, plan.max_pages_after, -1)
+            self.pool_k = grow_dim(self.pool_k, 0, self.next_slot + num_new)
+            self.pool_v = grow_dim(self.pool_v, 0, self.next_slot + num_new)
+            slots = torch.arange(self.next_slot, self.next_slot + num_new, device=self.table.device)
+            self.table[plan.new_page_batch, :, plan.new_page_index] = slots.view(-1, self.num_heads)
+            self.next_slot += num_new
+        slots = self.table[plan.batch, :, plan.page].reshape(-1)  # [N * h]
+        offsets = plan.offset.repeat_interleave(self.num_heads)
+        self.pool_k[slots, offsets] = new_keys.reshape(-1, new_keys.shape[-1]).to(self.pool_k.dtype)
+        self.pool_v[slots, offsets] = new_values.reshape(-1, new_values.shape[-1]).to(self.pool_v.dtype)
+
+    def page_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        """Pool slots of ``pages [B * h, k]`` (``-1`` stays ``-1``)."""
+        table = self.table.reshape(-1, self.table.shape[2])
+        return torch.where(pages >= 0, table.gather(1, pages.clamp(min=0)), -1)
+
+    def read_tokens(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, h, num_pages * ps, D]`` keys and values in token order (beyond a request's length: unspecified)."""
+        slots = self.table[:, :, :num_pages].clamp(min=0)
+        batch_size, num_heads = slots.shape[:2]
+        shape = (batch_size, num_heads, num_pages * self.page_size, self.pool_k.shape[-1])
+        return self.pool_k[slots].reshape(shape), self.pool_v[slots].reshape(shape)

@@ -1,0 +1,157 @@
+"""``HeadProfile``: which (layer, KV head) pairs are temporally unstable, saved as human-readable JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PROFILE_FORMAT_VERSION = 1
+DEFAULT_UNSTABLE_LAYERS = 2
+PROFILE_FILENAME = "flexicache_profile.json"
+SHIPPED_PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+def shipped_profiles() -> list[str]:
+    """Names of the profiles bundled with flexicache (usable with :meth:`HeadProfile.from_pretrained`)."""
+    return sorted(path.stem for path in SHIPPED_PROFILES_DIR.glob("*.json"))
+
+
+def model_shape(config: Any) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` of a transformers decoder config."""
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    num_layers = text_config.num_hidden_layers
+    num_heads = text_config.num_attention_heads
+    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+    return num_layers, num_kv_heads, head_dim
+
+
+@dataclass
+class HeadProfile:
+    """The unstable KV heads of one model, plus how they were measured.
+
+    Unstable heads keep every page on the device and rerank every decode step; all other heads are stable.
+    ``scores[layer][head]`` is the head's mean random-corrected top-K overlap when the profiler produced it.
+    ``calibration`` describes the data, settings, command and reports of the profiling run; ``model_info`` the
+    model beyond its shape (architecture, query heads, GGUF file, dtype).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    unstable_heads: list[tuple[int, int]]
+    model: str = ""
+    page_size: int | None = None
+    token_budget: int | None = None
+    unstable_fraction: float | None = None
+    scores: list[list[float]] | None = None
+    calibration: dict[str, Any] = field(default_factory=dict)
+    model_info: dict[str, Any] = field(default_factory=dict)
+    format_version: int = PROFILE_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        self.unstable_heads = sorted({(int(layer), int(head)) for layer, head in self.unstable_heads})
+        for layer, head in self.unstable_heads:
+            if not (0 <= layer < self.num_layers and 0 <= head < self.num_kv_heads):
+                raise ValueError(
+                    f"HeadProfile lists unstable head (layer={layer}, head={head}) outside the profiled shape "
+                    f"({self.num_layers} layers x {self.num_kv_heads} KV heads)."
+                )
+
+    @classmethod
+    def default(cls, config: Any, unstable_layers: int = DEFAULT_UNSTABLE_LAYERS) -> HeadProfile:
+        """Profile used when none is given: every head of the first ``unstable_layers`` layers is unstable.
+
+        Early layers attend broadly and change focus from token to token (Quest keeps its first two layers dense
+        for the same reason); all deeper heads are treated as stable. Profile the model for a better split.
+        """
+        num_layers, num_kv_heads, head_dim = model_shape(config)
+        unstable = [(layer, head) for layer in range(min(unstable_layers, num_layers)) for head in range(num_kv_heads)]
+        return cls(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            unstable_heads=unstable,
+            model=getattr(config, "_name_or_path", "") or "",
+            calibration={"source": f"default: all heads of the first {unstable_layers} layers unstable"},
+        )
+
+    def unstable_mask(self) -> torch.Tensor:
+        """``[num_layers, num_kv_heads]`` bool tensor, True for unstable heads."""
+        mask = torch.zeros(self.num_layers, self.num_kv_heads, dtype=torch.bool)
+        for layer, head in self.unstable_heads:
+            mask[layer, head] = True
+        return mask
+
+    def unstable_heads_of(self, layer_idx: int) -> list[int]:
+        """Unstable KV head indices of one layer, ascending."""
+        return [head for layer, head in self.unstable_heads if layer == layer_idx]
+
+    def validate_for(self, config: Any) -> None:
+        """Raise ``ValueError`` if this profile was made for a model of another shape."""
+        shape = model_shape(config)
+        if shape != (self.num_layers, self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"This HeadProfile was made for a model with {self.num_layers} layers, {self.num_kv_heads} KV heads "
+                f"and head_dim {self.head_dim} (model {self.model!r}), but the model has {shape[0]} layers, "
+                f"{shape[1]} KV heads and head_dim {shape[2]}. Profile this model with `flexicache profile` "
+                "or pass profile=None for the default."
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["unstable_heads"] = [list(pair) for pair in self.unstable_heads]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HeadProfile:
+        version = data.get("format_version", PROFILE_FORMAT_VERSION)
+        if version > PROFILE_FORMAT_VERSION:
+            raise ValueError(f"HeadProfile format {version} is newer than this flexicache supports; upgrade it.")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"Unknown HeadProfile fields {sorted(unknown)}; is this a FlexiCache profile?")
+        return cls(**{**data, "unstable_heads": [tuple(pair) for pair in data["unstable_heads"]]})
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the profile as indented JSON."""
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(self.to_dict(), handle, indent=2)
+            handle.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> HeadProfile:
+        """Read a profile written by :meth:`save`."""
+        with open(path, encoding="utf-8") as handle:
+            return cls.from_dict(json.load(handle))
+
+    @classmethod
+    def from_pretrained(
+        cls, path_or_repo_id: str | os.PathLike, filename: str = PROFILE_FILENAME, revision: str | None = None
+    ) -> HeadProfile:
+        """Load a profile from a JSON file, a folder holding ``filename``, a shipped name or a hub repository.
+
+        Resolution order: an existing file; an existing folder (``folder/filename``); the name of a profile
+        bundled with flexicache (see :func:`shipped_profiles`, e.g. ``"smollm2-135m-instruct"``); otherwise a
+        Hugging Face hub repository id, from which ``filename`` is downloaded with ``huggingface_hub``.
+        """
+        path = Path(path_or_repo_id)
+        if path.is_file():
+            return cls.load(path)
+        if path.is_dir():
+            candidate = path / filename
+            if not candidate.is_file():
+                raise FileNotFoundError(f"No {filename!r} in folder {str(path)!r}; pass filename= to pick the file.")
+            return cls.load(candidate)
+        shipped = SHIPPED_PROFILES_DIR / f"{path_or_repo_id}.json"
+        if shipped.is_file():
+            return cls.load(shipped)
+        from huggingface_hub import hf_hub_download
+
+        return cls.load(hf_hub_download(repo_id=str(path_or_repo_id), filename=filename, revision=revision))

@@ -1,0 +1,78 @@
+"""Page importance (Quest upper bound) and per-head top-K page selection.
+
+Rows are (request, KV head) pairs flattened into a leading dimension ``R``; every function here works on any
+device and dtype and does no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+GroupReduce = Literal["max", "sum"]
+
+
+def quest_page_scores(
+    query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, group_reduce: GroupReduce = "max"
+) -> torch.Tensor:
+    """Quest upper bound of ``q . k`` over each page, reduced over the query heads of a GQA group.
+
+    ``score[r, p] = reduce_g sum_d max(q[r, g, d] * kmax[r, p, d], q[r, g, d] * kmin[r, p, d])``.
+    Since ``kmax >= kmin`` this equals ``relu(q) . kmax + min(q, 0) . kmin``: two batched matmuls.
+
+    Args:
+        query: ``[R, G, D]`` queries of the ``G`` query heads sharing each row's KV head.
+        kmin, kmax: ``[R, P, D]`` element-wise key minimum / maximum of every page.
+        group_reduce: ``"max"`` or ``"sum"`` over the ``G`` query heads.
+
+    Returns:
+        ``[R, P]`` scores in float32 (float64 if the inputs are float64).
+    """
+    compute_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    q = query.to(compute_dtype)
+    positive, negative = q.clamp(min=0), q.clamp(max=0)
+    scores = torch.bmm(positive, kmax.to(compute_dtype).transpose(1, 2))
+    scores += torch.bmm(negative, kmin.to(compute_dtype).transpose(1, 2))  # [R, G, P]
+    if group_reduce == "max":
+        return scores.amax(dim=1)
+    if group_reduce == "sum":
+        return scores.sum(dim=1)
+    raise ValueError(f"group_reduce must be 'max' or 'sum', got {group_reduce!r}")
+
+
+def select_pages(
+    scores: torch.Tensor, num_pages: torch.Tensor, k: int, force_last: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` pages of every row, with the first page (sink) and optionally the last page (tail) forced in.
+
+    Args:
+        scores: ``[R, P]`` page scores; columns at or beyond a row's ``num_pages`` are ignored.
+        num_pages: ``[R]`` number of candidate pages of each row (pages ``0 .. num_pages - 1``).
+        k: pages to select per row (``k >= 2`` when ``force_last``, ``k >= 1`` otherwise).
+        force_last: also force page ``num_pages - 1`` (the current, partially filled page).
+
+    Returns:
+        ``(pages, page_scores)``, both ``[R, min(k, P)]``: selected page indices in ascending order (so the tail,
+        when forced, is the last valid entry) with ``-1`` padding at the end for rows with fewer than ``k``
+        candidates, and the score of each selected page (``+inf`` for forced pages, ``-inf`` for padding).
+    """
+    num_rows, width = scores.shape
+    k = min(k, width)
+    if k == 0:
+        empty = torch.empty(num_rows, 0, dtype=torch.long, device=scores.device)
+        return empty, scores.new_empty(num_rows, 0)
+    columns = torch.arange(width, device=scores.device)
+    num_pages = num_pages.to(scores.device).view(-1, 1)
+    ranked = scores.masked_fill(columns >= num_pages, float("-inf"))
+    forced = (columns == 0) & (num_pages > 0)
+    if force_last:
+        forced |= columns == num_pages - 1
+    ranked = ranked.masked_fill(forced, float("inf"))
+    top_scores, top_pages = ranked.topk(k, dim=1)
+    missing = top_scores == float("-inf")
+    # Ascending page order, padding last: sort keys put missing entries after every real page.
+    sort_keys = top_pages.masked_fill(missing, width)
+    sort_keys, order = sort_keys.sort(dim=1)
+    pages = sort_keys.masked_fill(sort_keys == width, -1)
+    return pages, top_scores.gather(1, order)
