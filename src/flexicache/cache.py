@@ -16,10 +16,10 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from flexicache import attention
-from flexicache.backends import DecodeBackend, resolve_backend
+from flexicache.backends import DecodeBackend, DecodeLayout, build_decode_layout, resolve_backend
 from flexicache.config import FlexiCacheConfig
 from flexicache.offload import OffloadedPages, TransferCounters
-from flexicache.paging import PageMetadata, ResidentPages, chunk_tokens
+from flexicache.paging import PageMetadata, PagePool, ResidentPages, chunk_tokens
 from flexicache.profile import HeadProfile, model_shape
 from flexicache.selection import quest_page_scores, select_pages
 from flexicache.sequence import AppendPlan, SequenceState
@@ -32,8 +32,9 @@ class FlexiLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(self, layer_idx: int, settings: FlexiCacheConfig, unstable_heads: list[int], num_kv_heads: int,
-                 sequence: SequenceState) -> None:
+                 sequence: SequenceState, backends: dict[torch.device, DecodeBackend]) -> None:
         super().__init__()
+        self.backends = backends  # shared by the cache's layers: one backend (and plan) per device
         self.layer_idx = layer_idx
         self.settings = settings
         self.num_kv_heads = num_kv_heads
@@ -64,18 +65,20 @@ class FlexiLayer(CacheLayerMixin):
             )
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch_size, self.head_dim = batch_size, head_dim
-        self.backend: DecodeBackend = resolve_backend(self.settings.backend, self.device)
+        if self.device not in self.backends:
+            self.backends[self.device] = resolve_backend(self.settings.backend, self.device)
+        self.backend = self.backends[self.device]
         page_size = self.settings.page_size
+        self.pool = PagePool(page_size, head_dim, self.dtype, self.device)
         self.unstable_index = torch.tensor(self.unstable_heads, dtype=torch.long, device=self.device)
         self.stable_index = torch.tensor(self.stable_heads, dtype=torch.long, device=self.device)
         if self.unstable_heads:
-            self.resident = ResidentPages(batch_size, len(self.unstable_heads), page_size, head_dim, self.dtype,
-                                          self.device)
+            self.resident = ResidentPages(self.pool, batch_size, len(self.unstable_heads), page_size)
             self.resident_meta = PageMetadata(batch_size, len(self.unstable_heads), head_dim, self.dtype,
                                               self.device, capacity=0)
         if self.stable_heads:
-            self.offloaded = OffloadedPages(batch_size, len(self.stable_heads), self.settings.pages_per_head,
-                                            page_size, head_dim, self.dtype, self.device)
+            self.offloaded = OffloadedPages(self.pool, batch_size, len(self.stable_heads),
+                                            self.settings.pages_per_head, page_size)
             self.stable_meta = PageMetadata(batch_size, len(self.stable_heads), head_dim, self.dtype, self.device,
                                             capacity=0)
         self.is_initialized = True
@@ -173,35 +176,47 @@ class FlexiLayer(CacheLayerMixin):
     def decode_attention(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """Sparse attention of one query token per request over each KV head's selected pages.
 
+        Both head classes list their pages in one ``[B * H, K]`` slot table over the layer's pool, so the backend
+        runs once per layer with the step's shared layout.
+
         Args:
             query: ``[B, Hq, 1, D]``.
 
         Returns:
             ``[B, 1, Hq, D]``.
         """
-        plan, page_size = self.plan, self.settings.page_size
+        plan, k = self.plan, self.settings.pages_per_head
         batch_size, num_query_heads, _, head_dim = query.shape
-        group = num_query_heads // self.num_kv_heads
         query = query[:, :, 0]
-        last_page_len = (plan.after - 1) % page_size + 1
-        output = query.new_empty(batch_size, self.num_kv_heads, group, head_dim)
+        last_page_len = (plan.after - 1) % self.settings.page_size + 1
+        slots = torch.full((batch_size, self.num_kv_heads, k), -1, dtype=torch.long, device=self.device)
+        page_lens = torch.zeros_like(slots)
         self.decode_steps += 1
         if self.resident is not None:
             rows_query = self._group_queries(query, self.unstable_index)
-            slots, page_lens = self._resident_selection(rows_query, plan, last_page_len)
-            out = self.backend.paged_decode(rows_query, self.resident.pool_k, self.resident.pool_v, slots,
-                                            page_lens, scale)
-            output[:, self.unstable_index] = out.view(batch_size, -1, group, head_dim)
+            resident_slots, resident_lens = self._resident_selection(rows_query, plan, last_page_len)
+            width = resident_slots.shape[1]
+            slots[:, self.unstable_index, :width] = resident_slots.view(batch_size, -1, width)
+            page_lens[:, self.unstable_index, :width] = resident_lens.view(batch_size, -1, width)
         if self.offloaded is not None:
-            rows_query = self._group_queries(query, self.stable_index)
             self.offloaded.steps_since_rerank += 1
             if self.offloaded.steps_since_rerank >= self.settings.rerank_interval:
-                self._rerank_stable(rows_query, plan)
-            slots, page_lens = self.offloaded.decode_pages(self._rows(last_page_len, len(self.stable_heads)))
-            out = self.backend.paged_decode(rows_query, self.offloaded.pool_k, self.offloaded.pool_v, slots,
-                                            page_lens, scale)
-            output[:, self.stable_index] = out.view(batch_size, -1, group, head_dim)
+                self._rerank_stable(self._group_queries(query, self.stable_index), plan)
+            stable_slots, stable_lens = self.offloaded.decode_pages(self._rows(last_page_len, len(self.stable_heads)))
+            slots[:, self.stable_index] = stable_slots.view(batch_size, -1, k)
+            page_lens[:, self.stable_index] = stable_lens.view(batch_size, -1, k)
+        rows_query = query.view(batch_size * self.num_kv_heads, num_query_heads // self.num_kv_heads, head_dim)
+        output = self.backend.paged_decode(rows_query, self.pool.k, self.pool.v, slots.flatten(0, 1),
+                                           page_lens.flatten(0, 1), scale, self._decode_layout(plan))
         return output.view(batch_size, num_query_heads, head_dim).unsqueeze(1)
+
+    def _decode_layout(self, plan: AppendPlan) -> DecodeLayout:
+        """The step's row layout, built by the first layer on this device and shared by the others."""
+        key = ("decode_layout", self.device)
+        if key not in plan.memo:
+            plan.memo[key] = build_decode_layout(plan.after_host, self.num_kv_heads, self.settings.pages_per_head,
+                                                 self.settings.page_size, self.device)
+        return plan.memo[key]
 
     def _resident_selection(self, query: torch.Tensor, plan: AppendPlan, last_page_len: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,7 +274,8 @@ class FlexiLayer(CacheLayerMixin):
         pages_per_request = (self.sequence.num_tokens_host + page_size - 1) // page_size
         used_pages = int(pages_per_request.sum())
         stats = {
-            "device_kv_bytes": 0, "device_metadata_bytes": 0, "device_reserved_bytes": 0, "host_kv_bytes": 0,
+            "device_kv_bytes": 0, "device_metadata_bytes": 0, "device_reserved_bytes": self.pool.nbytes_reserved,
+            "host_kv_bytes": 0,
             "host_reserved_bytes": 0, "reranks_unstable": self.unstable_counters.reranks, "reranks_stable": 0,
             "promoted_pages": 0, "bytes_h2d": 0, "bytes_d2h": 0,
             "dense_kv_bytes": self.batch_size * self.num_kv_heads * self.logical_length * page_bytes // page_size,
@@ -267,12 +283,12 @@ class FlexiLayer(CacheLayerMixin):
         if self.resident is not None:
             stats["device_kv_bytes"] += used_pages * len(self.unstable_heads) * page_bytes
             stats["device_metadata_bytes"] += self.resident_meta.nbytes
-            stats["device_reserved_bytes"] += self.resident.nbytes_reserved + self.resident_meta.nbytes
+            stats["device_reserved_bytes"] += self.resident_meta.nbytes
         if self.offloaded is not None:
             counters = self.offloaded.counters
             stats["device_kv_bytes"] += self.offloaded.nbytes_reserved
             stats["device_metadata_bytes"] += self.stable_meta.nbytes
-            stats["device_reserved_bytes"] += self.offloaded.nbytes_reserved + self.stable_meta.nbytes
+            stats["device_reserved_bytes"] += self.stable_meta.nbytes
             stats["host_kv_bytes"] += used_pages * len(self.stable_heads) * page_bytes
             stats["host_reserved_bytes"] += self.offloaded.host.nbytes_reserved
             stats["reranks_stable"] = counters.reranks
@@ -328,8 +344,10 @@ class FlexiCache(DynamicCache):
         self.profile = profile
         num_layers, num_kv_heads, _ = model_shape(config)
         self.sequence = SequenceState(page_size)
+        self.backends: dict[torch.device, DecodeBackend] = {}
         layers = [
-            FlexiLayer(index, self.settings, profile.unstable_heads_of(index), num_kv_heads, self.sequence)
+            FlexiLayer(index, self.settings, profile.unstable_heads_of(index), num_kv_heads, self.sequence,
+                       self.backends)
             for index in range(num_layers)
         ]
         Cache.__init__(self, layers=layers)

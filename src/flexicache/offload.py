@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flexicache.paging import grow_dim
+from flexicache.paging import PagePool
 from flexicache.selection import select_pages
 from flexicache.sequence import AppendPlan
 
@@ -59,19 +59,21 @@ class HostTier:
 class OffloadedPages:
     """Device slots, selection state and host tier of the stable heads of one layer.
 
-    ``pool_k``/``pool_v``: ``[B * h * K, ps, D]``, slot of (row ``r``, position ``j``) is ``r * K + j``;
+    The rows' ``B * h * K`` device slots are one range of the layer's :class:`PagePool` starting at ``base``:
+    the slot of (row ``r``, position ``j``) is ``base + r * K + j``;
     ``selected``: ``[B * h, K - 1]`` page held by each selection slot (``-1`` = empty);
     ``selected_scores``: ``[B * h, K - 1]`` score of that page at the last rerank (``+inf`` = keep).
     """
 
-    def __init__(self, batch_size: int, num_heads: int, pages_per_head: int, page_size: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, pool: PagePool, batch_size: int, num_heads: int, pages_per_head: int, page_size: int
+                 ) -> None:
+        self.pool = pool
         self.num_heads = num_heads
         self.k = pages_per_head
         self.page_size = page_size
         rows = batch_size * num_heads
-        self.pool_k = torch.zeros(rows * pages_per_head, page_size, head_dim, dtype=dtype, device=device)
-        self.pool_v = torch.zeros_like(self.pool_k)
+        self.base = pool.allocate(rows * pages_per_head)
+        device, dtype, head_dim = pool.k.device, pool.k.dtype, pool.k.shape[-1]
         self.selected = torch.full((rows, pages_per_head - 1), -1, dtype=torch.long, device=device)
         self.selected_scores = torch.full((rows, pages_per_head - 1), float("-inf"), device=device)
         self.host = HostTier(batch_size, num_heads, page_size, head_dim, dtype, pin_memory=device.type == "cuda")
@@ -84,15 +86,16 @@ class OffloadedPages:
 
     @property
     def nbytes_reserved(self) -> int:
-        return 2 * self.pool_k.numel() * self.pool_k.element_size()
+        """Bytes of this class's device slots."""
+        return self._page_bytes(self.num_rows * self.k)
 
     def _tail_slots(self, batch: torch.Tensor) -> torch.Tensor:
         """``[n * h]`` tail slots of the rows of requests ``batch [n]``."""
         heads = torch.arange(self.num_heads, device=batch.device)
-        return ((batch.unsqueeze(1) * self.num_heads + heads) * self.k + self.k - 1).reshape(-1)
+        return (self.base + (batch.unsqueeze(1) * self.num_heads + heads) * self.k + self.k - 1).reshape(-1)
 
     def _page_bytes(self, num_pages: int) -> int:
-        return 2 * num_pages * self.pool_k.shape[1] * self.pool_k.shape[2] * self.pool_k.element_size()
+        return 2 * num_pages * self.pool.k.shape[1] * self.pool.k.shape[2] * self.pool.k.element_size()
 
     # ----------------------------------------------------------------------------------------------- append
 
@@ -103,11 +106,11 @@ class OffloadedPages:
         """
         full = (plan.before_host > 0) & (plan.before_host % self.page_size == 0)
         if bool(full.any()):
-            self._retire_full_tails(full.nonzero().view(-1).to(self.pool_k.device), plan)
+            self._retire_full_tails(full.nonzero().view(-1).to(self.pool.k.device), plan)
         slots = self._tail_slots(plan.batch)
         offsets = plan.offset.repeat_interleave(self.num_heads)
-        self.pool_k[slots, offsets] = new_keys.reshape(-1, new_keys.shape[-1]).to(self.pool_k.dtype)
-        self.pool_v[slots, offsets] = new_values.reshape(-1, new_values.shape[-1]).to(self.pool_v.dtype)
+        self.pool.k[slots, offsets] = new_keys.reshape(-1, new_keys.shape[-1]).to(self.pool.k.dtype)
+        self.pool.v[slots, offsets] = new_values.reshape(-1, new_values.shape[-1]).to(self.pool.v.dtype)
 
     def _retire_full_tails(self, batch: torch.Tensor, plan: AppendPlan) -> None:
         page = (plan.before[batch] - 1) // self.page_size  # [n] the full tail page of each request
@@ -121,18 +124,18 @@ class OffloadedPages:
         keep = torch.where(self.selected[rows] == 0, float("inf"), self.selected_scores[rows])
         keep = keep.masked_fill(self.selected[rows] < 0, float("-inf"))
         victim = keep.argmin(dim=1)
-        target = rows * self.k + victim
-        self.pool_k[target] = self.pool_k[tail_slots]
-        self.pool_v[target] = self.pool_v[tail_slots]
+        target = self.base + rows * self.k + victim
+        self.pool.k[target] = self.pool.k[tail_slots]
+        self.pool.v[target] = self.pool.v[tail_slots]
         self.selected[rows, victim] = page.repeat_interleave(self.num_heads)
         self.selected_scores[rows, victim] = float("inf")
 
     def _offload_tails(self, batch: torch.Tensor, page: torch.Tensor, tail_slots: torch.Tensor) -> None:
         """Copy the tail slots of requests ``batch`` to host page ``page`` (one per request)."""
-        shape = (batch.numel(), self.num_heads, self.page_size, self.pool_k.shape[-1])
+        shape = (batch.numel(), self.num_heads, self.page_size, self.pool.k.shape[-1])
         batch_host, page_host = batch.cpu(), page.cpu()
-        self.host.k[batch_host, :, page_host] = self.pool_k[tail_slots].view(shape).cpu()
-        self.host.v[batch_host, :, page_host] = self.pool_v[tail_slots].view(shape).cpu()
+        self.host.k[batch_host, :, page_host] = self.pool.k[tail_slots].view(shape).cpu()
+        self.host.v[batch_host, :, page_host] = self.pool.v[tail_slots].view(shape).cpu()
         self.counters.bytes_d2h += self._page_bytes(batch.numel() * self.num_heads)
 
     def append_chunk(self, new_keys: torch.Tensor, new_values: torch.Tensor, plan: AppendPlan) -> None:
@@ -141,20 +144,20 @@ class OffloadedPages:
         The caller reranks right after, which fills the selection slots; the tail slot is refreshed here.
         """
         self.host.reserve(plan.max_pages_after)
-        started = (plan.before_host > 0).nonzero().view(-1).to(self.pool_k.device)
+        started = (plan.before_host > 0).nonzero().view(-1).to(self.pool.k.device)
         if started.numel():  # the old tail page may be partial and exist on the device only
             self._offload_tails(started, (plan.before[started] - 1) // self.page_size, self._tail_slots(started))
         batch_host, page_host, offset_host = plan.batch.cpu(), plan.page.cpu(), plan.offset.cpu()
         self.host.k[batch_host, :, page_host, offset_host] = new_keys.to("cpu", self.host.k.dtype)
         self.host.v[batch_host, :, page_host, offset_host] = new_values.to("cpu", self.host.v.dtype)
-        self.counters.bytes_d2h += 2 * new_keys.numel() * self.pool_k.element_size()
+        self.counters.bytes_d2h += 2 * new_keys.numel() * self.pool.k.element_size()
         nonempty = (plan.after_host > 0).nonzero().view(-1)
         tail_page = (plan.after_host[nonempty] - 1) // self.page_size
-        tails_k = self.host.k[nonempty, :, tail_page].reshape(-1, self.page_size, self.pool_k.shape[-1])
-        tails_v = self.host.v[nonempty, :, tail_page].reshape(-1, self.page_size, self.pool_k.shape[-1])
-        tail_slots = self._tail_slots(nonempty.to(self.pool_k.device))
-        self.pool_k[tail_slots] = tails_k.to(self.pool_k.device, non_blocking=True)
-        self.pool_v[tail_slots] = tails_v.to(self.pool_v.device, non_blocking=True)
+        tails_k = self.host.k[nonempty, :, tail_page].reshape(-1, self.page_size, self.pool.k.shape[-1])
+        tails_v = self.host.v[nonempty, :, tail_page].reshape(-1, self.page_size, self.pool.k.shape[-1])
+        tail_slots = self._tail_slots(nonempty.to(self.pool.k.device))
+        self.pool.k[tail_slots] = tails_k.to(self.pool.k.device, non_blocking=True)
+        self.pool.v[tail_slots] = tails_v.to(self.pool.v.device, non_blocking=True)
         self.counters.bytes_h2d += self._page_bytes(nonempty.numel() * self.num_heads)
 
     # ----------------------------------------------------------------------------------------------- rerank
@@ -188,7 +191,7 @@ class OffloadedPages:
         promo_rows, promo_pages = promoted.nonzero(as_tuple=True)
         promo_rank = promoted.long().cumsum(1)[promo_rows, promo_pages] - 1
         target_cols = free_slot_by_rank[promo_rows, promo_rank]
-        self._promote(promo_rows, promo_pages, promo_rows * self.k + target_cols)
+        self._promote(promo_rows, promo_pages, self.base + promo_rows * self.k + target_cols)
         selected = torch.where(keep, old_pages, -1)
         selected[promo_rows, target_cols] = promo_pages
         self.selected = selected
@@ -209,8 +212,8 @@ class OffloadedPages:
         host_k = self.host.k.view(-1, *self.host.k.shape[2:])  # [B * h, P, ps, D]
         host_v = self.host.v.view(-1, *self.host.v.shape[2:])
         rows_host, pages_host = rows.cpu(), pages.cpu()
-        self.pool_k[slots] = host_k[rows_host, pages_host].to(self.pool_k.device, non_blocking=True)
-        self.pool_v[slots] = host_v[rows_host, pages_host].to(self.pool_v.device, non_blocking=True)
+        self.pool.k[slots] = host_k[rows_host, pages_host].to(self.pool.k.device, non_blocking=True)
+        self.pool.v[slots] = host_v[rows_host, pages_host].to(self.pool.v.device, non_blocking=True)
         self.counters.promoted_pages += rows.numel()
         self.counters.bytes_h2d += self._page_bytes(rows.numel())
 
@@ -223,7 +226,7 @@ class OffloadedPages:
             last_page_len: ``[B * h]`` tokens in each row's tail page.
         """
         rows = self.num_rows
-        slots = torch.arange(rows * self.k, device=self.pool_k.device).view(rows, self.k)
+        slots = self.base + torch.arange(rows * self.k, device=self.pool.k.device).view(rows, self.k)
         page_lens = torch.cat(
             [(self.selected >= 0).long() * self.page_size, last_page_len.view(-1, 1).long()], dim=1
         )
@@ -240,12 +243,12 @@ class OffloadedPages:
         values = self.host.v[:, :, :num_pages].clone()
         nonempty = (num_tokens > 0).nonzero().view(-1)
         tail_page = (num_tokens[nonempty] - 1) // self.page_size
-        tail_slots = self._tail_slots(nonempty.to(self.pool_k.device))
-        shape = (nonempty.numel(), self.num_heads, self.page_size, self.pool_k.shape[-1])
-        keys[nonempty, :, tail_page] = self.pool_k[tail_slots].view(shape).cpu()
-        values[nonempty, :, tail_page] = self.pool_v[tail_slots].view(shape).cpu()
+        tail_slots = self._tail_slots(nonempty.to(self.pool.k.device))
+        shape = (nonempty.numel(), self.num_heads, self.page_size, self.pool.k.shape[-1])
+        keys[nonempty, :, tail_page] = self.pool.k[tail_slots].view(shape).cpu()
+        values[nonempty, :, tail_page] = self.pool.v[tail_slots].view(shape).cpu()
         batch_size = keys.shape[0]
-        device = self.pool_k.device
+        device = self.pool.k.device
         return (
             keys.reshape(batch_size, self.num_heads, -1, keys.shape[-1]).to(device),
             values.reshape(batch_size, self.num_heads, -1, values.shape[-1]).to(device),

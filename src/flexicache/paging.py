@@ -65,40 +65,55 @@ class PageMetadata:
         )
 
 
-class ResidentPages:
-    """Every page of ``h`` heads on the device: a growable pool plus a page table per row.
+class PagePool:
+    """One layer's device pages: ``k``/``v`` of shape ``[S, ps, D]``, handed out in slot ranges that never move.
 
-    ``pool_k``/``pool_v``: ``[S, ps, D]``; ``table``: ``[B, h, P]`` pool slot of every page (``-1`` = none).
-    Slots are handed out in order and never freed (the cache rebuilds on crop/reset).
+    Growing reallocates (capacity doubles) but keeps every slot index valid.
     """
 
-    def __init__(self, batch_size: int, num_heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.num_heads = num_heads
-        self.page_size = page_size
-        self.pool_k = torch.zeros(0, page_size, head_dim, dtype=dtype, device=device)
-        self.pool_v = torch.zeros_like(self.pool_k)
-        self.table = torch.full((batch_size, num_heads, 0), -1, dtype=torch.long, device=device)
-        self.next_slot = 0
+    def __init__(self, page_size: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.k = torch.zeros(0, page_size, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.used = 0
+
+    def allocate(self, count: int) -> int:
+        """First slot of ``count`` new consecutive slots."""
+        start = self.used
+        self.k = grow_dim(self.k, 0, start + count)
+        self.v = grow_dim(self.v, 0, start + count)
+        self.used += count
+        return start
 
     @property
     def nbytes_reserved(self) -> int:
-        return 2 * self.pool_k.numel() * self.pool_k.element_size()
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class ResidentPages:
+    """Every page of ``h`` heads on the device, in the layer's :class:`PagePool`, with a page table per row.
+
+    ``table``: ``[B, h, P]`` pool slot of every page (``-1`` = none). Slots are never freed (the cache rebuilds
+    on crop/reset).
+    """
+
+    def __init__(self, pool: PagePool, batch_size: int, num_heads: int, page_size: int) -> None:
+        self.pool = pool
+        self.num_heads = num_heads
+        self.page_size = page_size
+        self.table = torch.full((batch_size, num_heads, 0), -1, dtype=torch.long, device=pool.k.device)
 
     def append(self, new_keys: torch.Tensor, new_values: torch.Tensor, plan: AppendPlan) -> None:
         """Write the chunk's real tokens (``[N, h, D]`` in plan order), opening the pages they start."""
         num_new = plan.num_new_pages * self.num_heads
         if num_new:
             self.table = grow_dim(self.table, 2, plan.max_pages_after, -1)
-            self.pool_k = grow_dim(self.pool_k, 0, self.next_slot + num_new)
-            self.pool_v = grow_dim(self.pool_v, 0, self.next_slot + num_new)
-            slots = torch.arange(self.next_slot, self.next_slot + num_new, device=self.table.device)
+            start = self.pool.allocate(num_new)
+            slots = torch.arange(start, start + num_new, device=self.table.device)
             self.table[plan.new_page_batch, :, plan.new_page_index] = slots.view(-1, self.num_heads)
-            self.next_slot += num_new
         slots = self.table[plan.batch, :, plan.page].reshape(-1)  # [N * h]
         offsets = plan.offset.repeat_interleave(self.num_heads)
-        self.pool_k[slots, offsets] = new_keys.reshape(-1, new_keys.shape[-1]).to(self.pool_k.dtype)
-        self.pool_v[slots, offsets] = new_values.reshape(-1, new_values.shape[-1]).to(self.pool_v.dtype)
+        self.pool.k[slots, offsets] = new_keys.reshape(-1, new_keys.shape[-1]).to(self.pool.k.dtype)
+        self.pool.v[slots, offsets] = new_values.reshape(-1, new_values.shape[-1]).to(self.pool.v.dtype)
 
     def page_slots(self, pages: torch.Tensor) -> torch.Tensor:
         """Pool slots of ``pages [B * h, k]`` (``-1`` stays ``-1``)."""
@@ -109,5 +124,5 @@ class ResidentPages:
         """``[B, h, num_pages * ps, D]`` keys and values in token order (beyond a request's length: unspecified)."""
         slots = self.table[:, :, :num_pages].clamp(min=0)
         batch_size, num_heads = slots.shape[:2]
-        shape = (batch_size, num_heads, num_pages * self.page_size, self.pool_k.shape[-1])
-        return self.pool_k[slots].reshape(shape), self.pool_v[slots].reshape(shape)
+        shape = (batch_size, num_heads, num_pages * self.page_size, self.pool.k.shape[-1])
+        return self.pool.k[slots].reshape(shape), self.pool.v[slots].reshape(shape)

@@ -35,6 +35,7 @@ class AppendPlan:
     before_host: torch.Tensor
     after_host: torch.Tensor
     is_single_token: bool
+    memo: dict = field(default_factory=dict, repr=False)  # per-step values derived once and shared by layers
     _per_device: dict = field(default_factory=dict, repr=False)
 
     @property

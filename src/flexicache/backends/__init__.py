@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-from flexicache.backends.base import DecodeBackend
+from flexicache.backends.base import DecodeBackend, DecodeLayout, build_decode_layout
 from flexicache.backends.reference import ReferenceBackend
 
-__all__ = ["DecodeBackend", "ReferenceBackend", "resolve_backend"]
+__all__ = ["DecodeBackend", "DecodeLayout", "ReferenceBackend", "build_decode_layout", "resolve_backend"]
 
 
 def resolve_backend(name: str, device: torch.device) -> DecodeBackend:
-    """The backend called ``name`` (``"auto"``: FlashInfer on CUDA when importable, else the torch reference)."""
+    """The backend called ``name``; ``"auto"`` is FlashInfer on CUDA when importable, else the torch reference."""
     if name == "reference" or (name == "auto" and device.type != "cuda"):
         return ReferenceBackend()
-    raise ValueError(
-        f"backend={name!r} on device {device} is not available in this build; use backend='reference'."
-    )
+    if device.type != "cuda":
+        raise ValueError(f"backend='flashinfer' needs a CUDA device, the cache is on {device}; use 'reference'.")
+    from flexicache.backends.flashinfer import FlashInferBackend, flashinfer_available
+
+    if flashinfer_available():
+        return FlashInferBackend(device)
+    if name == "flashinfer":
+        raise ImportError("backend='flashinfer' needs FlashInfer: pip install 'flexicache[cuda]'.")
+    warnings.warn("FlashInfer is not installed: FlexiCache decodes with the torch reference backend "
+                  "(slower). pip install 'flexicache[cuda]' for the CUDA kernels.", stacklevel=3)
+    return ReferenceBackend()

@@ -1,10 +1,35 @@
-"""The interface every decode backend implements."""
+"""The interface every decode backend implements, and the per-step row layout they share."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+@dataclass
+class DecodeLayout:
+    """How many pages each row lists at one decode step; identical for every layer of that step.
+
+    Rows are (request, KV head) pairs, ``r = b * H + h``. Every row of request ``b`` lists ``min(K, pages_b)``
+    pages, the tail (``last_page_len`` tokens) last.
+    """
+
+    row_indptr_host: torch.Tensor  # [R + 1] int32, CPU
+    row_last_page_len_host: torch.Tensor  # [R] int32, CPU
+    row_indptr: torch.Tensor  # [R + 1] int32, on the device
+
+
+def build_decode_layout(num_tokens_host: torch.Tensor, num_kv_heads: int, pages_per_head: int, page_size: int,
+                        device: torch.device) -> DecodeLayout:
+    """Layout of a decode step from the real-token counts ``[B]`` (CPU) after the step's token was appended."""
+    pages = torch.clamp((num_tokens_host + page_size - 1) // page_size, max=pages_per_head)
+    row_pages = pages.repeat_interleave(num_kv_heads).to(torch.int32)
+    row_indptr = torch.zeros(row_pages.numel() + 1, dtype=torch.int32)
+    torch.cumsum(row_pages, 0, out=row_indptr[1:])
+    last_page_len = ((num_tokens_host - 1) % page_size + 1).repeat_interleave(num_kv_heads).to(torch.int32)
+    return DecodeLayout(row_indptr, last_page_len, row_indptr.to(device))
 
 
 class DecodeBackend(Protocol):
@@ -23,6 +48,7 @@ class DecodeBackend(Protocol):
         slots: torch.Tensor,
         page_lens: torch.Tensor,
         scale: float,
+        layout: DecodeLayout,
     ) -> torch.Tensor:
         """Sparse decode attention.
 
@@ -30,8 +56,10 @@ class DecodeBackend(Protocol):
             query: ``[R, G, D]``.
             pool_k, pool_v: ``[S, page_size, D]`` page pool.
             slots: ``[R, P]`` pool slot of each listed page (ignored where ``page_lens == 0``).
-            page_lens: ``[R, P]`` valid tokens in each listed page (``0`` = no page, ``page_size`` = full).
+            page_lens: ``[R, P]`` valid tokens in each listed page (``0`` = not listed, ``page_size`` = full); the
+                listed entries of a row are its ``layout`` page count, the tail (partial page) last.
             scale: softmax scale.
+            layout: the step's row layout (shared by all layers; lets a backend plan once per step).
 
         Returns:
             ``[R, G, D]`` in the query's dtype.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from flexicache.backends.base import DecodeLayout
+
 
 class ReferenceBackend:
     """Plain torch implementation of :class:`~flexicache.backends.base.DecodeBackend` (fp32/fp64 math)."""
@@ -18,6 +20,7 @@ class ReferenceBackend:
         slots: torch.Tensor,
         page_lens: torch.Tensor,
         scale: float,
+        layout: DecodeLayout,
     ) -> torch.Tensor:
         rows, pages = slots.shape
         page_size, head_dim = pool_k.shape[1], pool_k.shape[2]

