@@ -44,7 +44,7 @@ class HostTier:
         if num_pages <= self.k.shape[2]:
             return
         shape = list(self.k.shape)
-        shape[2] = max(num_pages, 2 * shape[2])
+        shape[2] = max(num_pages, shape[2] + max(64, shape[2] // 4))  # pinned memory is precious: grow by 1/4
         for name in ("k", "v"):
             old = getattr(self, name)
             grown = self._empty(tuple(shape), old.dtype)
@@ -118,16 +118,19 @@ class OffloadedPages:
         tail_slots = self._tail_slots(batch)
         self._offload_tails(batch, page, tail_slots)
         rows = (batch.unsqueeze(1) * self.num_heads + torch.arange(self.num_heads, device=batch.device)).reshape(-1)
-        if self.k - 1 < 2:  # only the sink fits: the page waits on the host for the next rerank
-            return
-        # Victim: an empty slot first, else the lowest-scored page; the sink (page 0) is never evicted.
-        keep = torch.where(self.selected[rows] == 0, float("inf"), self.selected_scores[rows])
-        keep = keep.masked_fill(self.selected[rows] < 0, float("-inf"))
-        victim = keep.argmin(dim=1)
+        # Victim: an empty slot first, else the lowest-scored page. The sink (page 0) is never evicted: earlier
+        # retired tails (score +inf until the next rerank) rank just below it, and a row whose only occupied slot
+        # is the sink keeps its page on the host until the next rerank.
+        selected = self.selected[rows]
+        keep = self.selected_scores[rows].clamp(max=torch.finfo(self.selected_scores.dtype).max)
+        keep = keep.masked_fill(selected == 0, float("inf")).masked_fill(selected < 0, float("-inf"))
+        lowest, victim = keep.min(dim=1)
+        evictable = (lowest < float("inf")).nonzero().view(-1)
+        rows, victim, tail_slots = rows[evictable], victim[evictable], tail_slots[evictable]
         target = self.base + rows * self.k + victim
         self.pool.k[target] = self.pool.k[tail_slots]
         self.pool.v[target] = self.pool.v[tail_slots]
-        self.selected[rows, victim] = page.repeat_interleave(self.num_heads)
+        self.selected[rows, victim] = page.repeat_interleave(self.num_heads)[evictable]
         self.selected_scores[rows, victim] = float("inf")
 
     def _offload_tails(self, batch: torch.Tensor, page: torch.Tensor, tail_slots: torch.Tensor) -> None:

@@ -45,16 +45,23 @@ class PageMetadata:
         batch_size, num_heads, _, head_dim = self.kmin.shape
         self.kmin = grow_dim(self.kmin, 2, plan.max_pages_after, float("inf"))
         self.kmax = grow_dim(self.kmax, 2, plan.max_pages_after, float("-inf"))
-        capacity = self.kmin.shape[2]
-        # New pages start empty (+inf/-inf) so that folding with include_self is exact.
+        new_keys = new_keys.to(self.kmin.dtype)
+        if plan.is_single_token:  # decode: one token per request, a page opens where its offset is 0
+            opens = (plan.offset == 0).view(-1, 1, 1)
+            current_min = self.kmin[plan.batch, :, plan.page]
+            current_max = self.kmax[plan.batch, :, plan.page]
+            self.kmin[plan.batch, :, plan.page] = torch.where(opens, new_keys, torch.minimum(current_min, new_keys))
+            self.kmax[plan.batch, :, plan.page] = torch.where(opens, new_keys, torch.maximum(current_max, new_keys))
+            return
+        # Several tokens per page: fold them into a compact copy of the touched pages only.
         self.kmin[plan.new_page_batch, :, plan.new_page_index] = float("inf")
         self.kmax[plan.new_page_batch, :, plan.new_page_index] = float("-inf")
-        heads = torch.arange(num_heads, device=new_keys.device)
-        index = ((plan.batch.unsqueeze(1) * num_heads + heads) * capacity + plan.page.unsqueeze(1)).reshape(-1, 1)
-        index = index.expand(-1, head_dim)
-        source = new_keys.reshape(-1, head_dim).to(self.kmin.dtype)
-        self.kmin.view(-1, head_dim).scatter_reduce_(0, index, source, "amin")
-        self.kmax.view(-1, head_dim).scatter_reduce_(0, index, source, "amax")
+        touched, inverse = torch.unique(plan.batch * self.kmin.shape[2] + plan.page, return_inverse=True)
+        touched_batch, touched_page = touched // self.kmin.shape[2], touched % self.kmin.shape[2]
+        index = inverse.view(-1, 1, 1).expand(-1, num_heads, head_dim)
+        for meta, reduce in ((self.kmin, "amin"), (self.kmax, "amax")):
+            folded = meta[touched_batch, :, touched_page].scatter_reduce_(0, index, new_keys, reduce)
+            meta[touched_batch, :, touched_page] = folded
 
     def rows(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kmin, kmax)`` of the first ``num_pages`` pages as ``[B * h, num_pages, D]``."""
