@@ -51,6 +51,7 @@ def stage(chunk: StagedChunk) -> None:
     previous = getattr(_local, "chunk", None)
     _local.chunk = chunk
     if previous is not None:
+        _local.chunk = None  # drop both: once the model is switched, the next forward must not fail again
         raise RuntimeError(
             f"FlexiCache layer {previous.layer_idx} was updated but its attention did not run through the "
             f"flexicache attention function: the model uses another attn_implementation. {SWITCH_HINT}"

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from flexicache import attention
-from flexicache.backends import DecodeBackend, DecodeLayout, build_decode_layout, resolve_backend
+from flexicache.backends import DecodeBackend, DecodeLayout, build_decode_layout, resolve_backend, triton_available
 from flexicache.config import FlexiCacheConfig
 from flexicache.offload import OffloadedPages, TransferCounters
 from flexicache.paging import PageMetadata, PagePool, ResidentPages, chunk_tokens
@@ -72,15 +72,16 @@ class FlexiLayer(CacheLayerMixin):
         self.pool = PagePool(page_size, head_dim, self.dtype, self.device)
         self.unstable_index = torch.tensor(self.unstable_heads, dtype=torch.long, device=self.device)
         self.stable_index = torch.tensor(self.stable_heads, dtype=torch.long, device=self.device)
+        self.meta = PageMetadata(batch_size, self.num_kv_heads, head_dim, self.dtype, self.device, capacity=0)
+        # Pool slot where each (request, head) writes its next decode token: the tail page's slot.
+        self.write_slots = torch.full((batch_size, self.num_kv_heads), -1, dtype=torch.long, device=self.device)
         if self.unstable_heads:
             self.resident = ResidentPages(self.pool, batch_size, len(self.unstable_heads), page_size)
-            self.resident_meta = PageMetadata(batch_size, len(self.unstable_heads), head_dim, self.dtype,
-                                              self.device, capacity=0)
         if self.stable_heads:
             self.offloaded = OffloadedPages(self.pool, batch_size, len(self.stable_heads),
                                             self.settings.pages_per_head, page_size)
-            self.stable_meta = PageMetadata(batch_size, len(self.stable_heads), head_dim, self.dtype, self.device,
-                                            capacity=0)
+            self.write_slots[:, self.stable_index] = self.offloaded.tail_slots()
+        self.fused_table = self.device.type == "cuda" and triton_available()
         self.is_initialized = True
 
     # ------------------------------------------------------------------------------------ transformers protocol
@@ -135,22 +136,39 @@ class FlexiLayer(CacheLayerMixin):
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, plan: AppendPlan) -> None:
         """Append a chunk ``[B, H, T, D]`` to both head classes following ``plan``."""
-        if self.resident is not None:
-            new_k = chunk_tokens(keys.index_select(1, self.unstable_index), plan)
-            new_v = chunk_tokens(values.index_select(1, self.unstable_index), plan)
-            self.resident.append(new_k, new_v, plan)
-            self.resident_meta.append(new_k, plan)
-        if self.offloaded is not None:
-            new_k = chunk_tokens(keys.index_select(1, self.stable_index), plan)
-            new_v = chunk_tokens(values.index_select(1, self.stable_index), plan)
-            if plan.is_single_token:
-                self.offloaded.append_token(new_k, new_v, plan)
-            else:
-                self.offloaded.append_chunk(new_k, new_v, plan)
-            self.stable_meta.append(new_k, plan)
+        self.meta.append(chunk_tokens(keys, plan), plan)
+        if plan.is_single_token:
+            self._append_token(keys[:, :, 0], values[:, :, 0], plan)
+        else:
+            if self.resident is not None:
+                self.resident.append(chunk_tokens(keys.index_select(1, self.unstable_index), plan),
+                                     chunk_tokens(values.index_select(1, self.unstable_index), plan), plan)
+                self.write_slots[:, self.unstable_index] = self.resident.tail_slots(plan.after)
+            if self.offloaded is not None:
+                self.offloaded.append_chunk(chunk_tokens(keys.index_select(1, self.stable_index), plan),
+                                            chunk_tokens(values.index_select(1, self.stable_index), plan), plan)
         self.plan = plan
         self.num_chunks += 1
         self.committed_length += keys.shape[2]
+
+    def _append_token(self, keys: torch.Tensor, values: torch.Tensor, plan: AppendPlan) -> None:
+        """Decode step: write one token per request and head (``[B, H, D]``) into its tail page's slot."""
+        if self.offloaded is not None:
+            self.offloaded.retire_full_tails(plan)
+        if self.resident is not None and plan.num_new_pages:
+            self.resident.open_pages(plan)
+            self.write_slots[:, self.unstable_index] = self.resident.tail_slots(plan.after)
+        offsets = self._per_step(plan, "token_offsets", lambda: plan.offset.repeat_interleave(self.num_kv_heads))
+        slots = self.write_slots.view(-1)
+        self.pool.k[slots, offsets] = keys.reshape(-1, self.head_dim).to(self.dtype)
+        self.pool.v[slots, offsets] = values.reshape(-1, self.head_dim).to(self.dtype)
+
+    def _per_step(self, plan: AppendPlan, name: str, compute: Callable[[], Any]) -> Any:
+        """A value derived from the step's plan, computed by the first layer on this device and shared."""
+        key = (name, self.device, self.num_kv_heads)
+        if key not in plan.memo:
+            plan.memo[key] = compute()
+        return plan.memo[key]
 
     def _group_queries(self, query: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """``[B * h, G, D]`` queries of the KV heads ``heads`` from ``query [B, Hq, D]``."""
@@ -169,15 +187,16 @@ class FlexiLayer(CacheLayerMixin):
         if width == 0:
             self.offloaded.steps_since_rerank = 0
             return
-        kmin, kmax = self.stable_meta.rows(width)
+        kmin, kmax = self.meta.rows(self.stable_index, width)
         scores = quest_page_scores(query, kmin, kmax, self.settings.group_reduce)
         self.offloaded.rerank(scores, self._rows(full_pages, len(self.stable_heads)))
 
     def decode_attention(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """Sparse attention of one query token per request over each KV head's selected pages.
 
-        Both head classes list their pages in one ``[B * H, K]`` slot table over the layer's pool, so the backend
-        runs once per layer with the step's shared layout.
+        Both head classes list their pages in one ``[B * H, K]`` table over the layer's pool, so the backend runs
+        once per layer with the step's shared layout. On CUDA a fused Triton kernel builds the table (scoring and
+        top-K included) and writes FlashInfer's index buffer directly.
 
         Args:
             query: ``[B, Hq, 1, D]``.
@@ -185,38 +204,65 @@ class FlexiLayer(CacheLayerMixin):
         Returns:
             ``[B, 1, Hq, D]``.
         """
-        plan, k = self.plan, self.settings.pages_per_head
+        plan = self.plan
         batch_size, num_query_heads, _, head_dim = query.shape
-        query = query[:, :, 0]
+        rows_query = query.reshape(batch_size * self.num_kv_heads, num_query_heads // self.num_kv_heads, head_dim)
+        self.decode_steps += 1
+        if self.resident is not None:
+            self.unstable_counters.reranks += batch_size * len(self.unstable_heads)
+        if self.offloaded is not None:
+            self.offloaded.steps_since_rerank += 1
+            if self.offloaded.steps_since_rerank >= self.settings.rerank_interval:
+                stable_query = rows_query.view(batch_size, self.num_kv_heads, -1, head_dim)[:, self.stable_index]
+                self._rerank_stable(stable_query.flatten(0, 1), plan)
+        layout = self._decode_layout(plan)
+        if self.fused_table:
+            flat = self.backend.prepare(layout, rows_query.shape[1], head_dim, self.settings.page_size, query.dtype,
+                                        scale) if hasattr(self.backend, "prepare") else None
+            slots, page_lens = self._fused_table(rows_query, plan, flat, layout)
+            if flat is not None:
+                output = self.backend.run_prepared(rows_query, self.pool.k, self.pool.v)
+                return output.view(batch_size, num_query_heads, head_dim).unsqueeze(1)
+        else:
+            slots, page_lens = self._decode_table(rows_query, plan)
+        output = self.backend.paged_decode(rows_query, self.pool.k, self.pool.v, slots, page_lens, scale, layout)
+        return output.view(batch_size, num_query_heads, head_dim).unsqueeze(1)
+
+    def _fused_table(self, rows_query: torch.Tensor, plan: AppendPlan, flat: torch.Tensor | None,
+                     layout: DecodeLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        from flexicache.backends.triton_select import decode_table
+
+        resident, offloaded = self.resident, self.offloaded
+        return decode_table(
+            rows_query, self.meta.kmin, self.meta.kmax, resident.table if resident else None,
+            offloaded.selected if offloaded else None, plan.after, self.unstable_index, self.stable_index,
+            offloaded.base if offloaded else 0, self.settings.pages_per_head, self.settings.page_size,
+            self.settings.group_reduce, plan.max_pages_after, flat, layout.row_indptr,
+        )
+
+    def _decode_table(self, rows_query: torch.Tensor, plan: AppendPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Torch version of the decode table: ``(slots, page_lens)``, ``[B * H, K]``, every row's listed pages."""
+        batch_size, k = self.batch_size, self.settings.pages_per_head
         last_page_len = (plan.after - 1) % self.settings.page_size + 1
         slots = torch.full((batch_size, self.num_kv_heads, k), -1, dtype=torch.long, device=self.device)
         page_lens = torch.zeros_like(slots)
-        self.decode_steps += 1
+        grouped = rows_query.view(batch_size, self.num_kv_heads, -1, rows_query.shape[-1])
         if self.resident is not None:
-            rows_query = self._group_queries(query, self.unstable_index)
-            resident_slots, resident_lens = self._resident_selection(rows_query, plan, last_page_len)
+            unstable_query = grouped[:, self.unstable_index].flatten(0, 1)
+            resident_slots, resident_lens = self._resident_selection(unstable_query, plan, last_page_len)
             width = resident_slots.shape[1]
             slots[:, self.unstable_index, :width] = resident_slots.view(batch_size, -1, width)
             page_lens[:, self.unstable_index, :width] = resident_lens.view(batch_size, -1, width)
         if self.offloaded is not None:
-            self.offloaded.steps_since_rerank += 1
-            if self.offloaded.steps_since_rerank >= self.settings.rerank_interval:
-                self._rerank_stable(self._group_queries(query, self.stable_index), plan)
             stable_slots, stable_lens = self.offloaded.decode_pages(self._rows(last_page_len, len(self.stable_heads)))
             slots[:, self.stable_index] = stable_slots.view(batch_size, -1, k)
             page_lens[:, self.stable_index] = stable_lens.view(batch_size, -1, k)
-        rows_query = query.view(batch_size * self.num_kv_heads, num_query_heads // self.num_kv_heads, head_dim)
-        output = self.backend.paged_decode(rows_query, self.pool.k, self.pool.v, slots.flatten(0, 1),
-                                           page_lens.flatten(0, 1), scale, self._decode_layout(plan))
-        return output.view(batch_size, num_query_heads, head_dim).unsqueeze(1)
+        return slots.flatten(0, 1), page_lens.flatten(0, 1)
 
     def _decode_layout(self, plan: AppendPlan) -> DecodeLayout:
         """The step's row layout, built by the first layer on this device and shared by the others."""
-        key = ("decode_layout", self.device)
-        if key not in plan.memo:
-            plan.memo[key] = build_decode_layout(plan.after_host, self.num_kv_heads, self.settings.pages_per_head,
-                                                 self.settings.page_size, self.device)
-        return plan.memo[key]
+        return self._per_step(plan, "decode_layout", lambda: build_decode_layout(
+            plan.after_host, self.num_kv_heads, self.settings.pages_per_head, self.settings.page_size, self.device))
 
     def _resident_selection(self, query: torch.Tensor, plan: AppendPlan, last_page_len: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,12 +270,11 @@ class FlexiLayer(CacheLayerMixin):
         page_size, num_heads = self.settings.page_size, len(self.unstable_heads)
         num_pages = self._rows((plan.after + page_size - 1) // page_size, num_heads)
         width = plan.max_pages_after
-        self.unstable_counters.reranks += query.shape[0]
         if width <= self.settings.pages_per_head:  # every page fits in the budget: no scoring needed
             pages = torch.arange(width, device=query.device).expand(query.shape[0], width)
             pages = pages.masked_fill(pages >= num_pages.unsqueeze(1), -1)
         else:
-            kmin, kmax = self.resident_meta.rows(width)
+            kmin, kmax = self.meta.rows(self.unstable_index, width)
             scores = quest_page_scores(query, kmin, kmax, self.settings.group_reduce)
             pages, _ = select_pages(scores, num_pages, self.settings.pages_per_head, force_last=True)
         is_tail = pages == (num_pages - 1).unsqueeze(1)
@@ -274,7 +319,8 @@ class FlexiLayer(CacheLayerMixin):
         pages_per_request = (self.sequence.num_tokens_host + page_size - 1) // page_size
         used_pages = int(pages_per_request.sum())
         stats = {
-            "device_kv_bytes": 0, "device_metadata_bytes": 0, "device_reserved_bytes": self.pool.nbytes_reserved,
+            "device_kv_bytes": 0, "device_metadata_bytes": self.meta.nbytes,
+            "device_reserved_bytes": self.pool.nbytes_reserved + self.meta.nbytes,
             "host_kv_bytes": 0,
             "host_reserved_bytes": 0, "reranks_unstable": self.unstable_counters.reranks, "reranks_stable": 0,
             "promoted_pages": 0, "bytes_h2d": 0, "bytes_d2h": 0,
@@ -282,13 +328,9 @@ class FlexiLayer(CacheLayerMixin):
         }
         if self.resident is not None:
             stats["device_kv_bytes"] += used_pages * len(self.unstable_heads) * page_bytes
-            stats["device_metadata_bytes"] += self.resident_meta.nbytes
-            stats["device_reserved_bytes"] += self.resident_meta.nbytes
         if self.offloaded is not None:
             counters = self.offloaded.counters
             stats["device_kv_bytes"] += self.offloaded.nbytes_reserved
-            stats["device_metadata_bytes"] += self.stable_meta.nbytes
-            stats["device_reserved_bytes"] += self.stable_meta.nbytes
             stats["host_kv_bytes"] += used_pages * len(self.stable_heads) * page_bytes
             stats["host_reserved_bytes"] += self.offloaded.host.nbytes_reserved
             stats["reranks_stable"] = counters.reranks
@@ -356,9 +398,10 @@ class FlexiCache(DynamicCache):
     def from_model(cls, model: torch.nn.Module, profile: HeadProfile | str | os.PathLike | None = None,
                    **settings: Any) -> FlexiCache:
         """Switch ``model`` to the flexicache attention and build a cache for it."""
+        cache = cls(model.config, profile=profile, **settings)  # validate first: bad input leaves the model as is
         if model.config._attn_implementation != attention.ATTENTION_NAME:
             model.set_attn_implementation(attention.ATTENTION_NAME)
-        return cls(model.config, profile=profile, **settings)
+        return cache
 
     # ----------------------------------------------------------------------------------------- cache protocol
 

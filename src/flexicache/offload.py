@@ -99,18 +99,20 @@ class OffloadedPages:
 
     # ----------------------------------------------------------------------------------------------- append
 
-    def append_token(self, new_keys: torch.Tensor, new_values: torch.Tensor, plan: AppendPlan) -> None:
-        """Decode step: one real token per request (``[B, h, D]``) into the tail slots.
+    def retire_full_tails(self, plan: AppendPlan) -> None:
+        """Decode step: a request whose tail page is full moves it out before its next token is written.
 
-        A request whose tail page is full first moves that page out: to the host tier, and into a selection slot.
+        The page goes to the host tier and takes over a selection slot (an empty one, else the lowest-scored page
+        but never the sink) until the next rerank.
         """
         full = (plan.before_host > 0) & (plan.before_host % self.page_size == 0)
         if bool(full.any()):
             self._retire_full_tails(full.nonzero().view(-1).to(self.pool.k.device), plan)
-        slots = self._tail_slots(plan.batch)
-        offsets = plan.offset.repeat_interleave(self.num_heads)
-        self.pool.k[slots, offsets] = new_keys.reshape(-1, new_keys.shape[-1]).to(self.pool.k.dtype)
-        self.pool.v[slots, offsets] = new_values.reshape(-1, new_values.shape[-1]).to(self.pool.v.dtype)
+
+    def tail_slots(self) -> torch.Tensor:
+        """``[B, h]`` tail slot of every row."""
+        batch_size = self.num_rows // self.num_heads
+        return self._tail_slots(torch.arange(batch_size, device=self.pool.k.device)).view(batch_size, -1)
 
     def _retire_full_tails(self, batch: torch.Tensor, plan: AppendPlan) -> None:
         page = (plan.before[batch] - 1) // self.page_size  # [n] the full tail page of each request

@@ -29,7 +29,7 @@ def chunk_tokens(keys: torch.Tensor, plan: AppendPlan) -> torch.Tensor:
 
 
 class PageMetadata:
-    """Element-wise key min/max of every page of ``h`` heads: ``kmin``/``kmax`` of shape ``[B, h, P, D]``."""
+    """Element-wise key min/max of every page of every head of a layer: ``kmin``/``kmax``, ``[B, H, P, D]``."""
 
     def __init__(self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  capacity: int) -> None:
@@ -63,12 +63,12 @@ class PageMetadata:
             folded = meta[touched_batch, :, touched_page].scatter_reduce_(0, index, new_keys, reduce)
             meta[touched_batch, :, touched_page] = folded
 
-    def rows(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kmin, kmax)`` of the first ``num_pages`` pages as ``[B * h, num_pages, D]``."""
-        batch_size, num_heads, _, head_dim = self.kmin.shape
+    def rows(self, heads: torch.Tensor, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kmin, kmax)`` of the first ``num_pages`` pages of ``heads`` as ``[B * len(heads), num_pages, D]``."""
+        head_dim = self.kmin.shape[-1]
         return (
-            self.kmin[:, :, :num_pages].reshape(batch_size * num_heads, num_pages, head_dim),
-            self.kmax[:, :, :num_pages].reshape(batch_size * num_heads, num_pages, head_dim),
+            self.kmin[:, heads, :num_pages].reshape(-1, num_pages, head_dim),
+            self.kmax[:, heads, :num_pages].reshape(-1, num_pages, head_dim),
         )
 
 
@@ -109,18 +109,27 @@ class ResidentPages:
         self.page_size = page_size
         self.table = torch.full((batch_size, num_heads, 0), -1, dtype=torch.long, device=pool.k.device)
 
-    def append(self, new_keys: torch.Tensor, new_values: torch.Tensor, plan: AppendPlan) -> None:
-        """Write the chunk's real tokens (``[N, h, D]`` in plan order), opening the pages they start."""
+    def open_pages(self, plan: AppendPlan) -> None:
+        """Give every page the chunk starts a pool slot per head."""
         num_new = plan.num_new_pages * self.num_heads
         if num_new:
             self.table = grow_dim(self.table, 2, plan.max_pages_after, -1)
             start = self.pool.allocate(num_new)
             slots = torch.arange(start, start + num_new, device=self.table.device)
             self.table[plan.new_page_batch, :, plan.new_page_index] = slots.view(-1, self.num_heads)
+
+    def append(self, new_keys: torch.Tensor, new_values: torch.Tensor, plan: AppendPlan) -> None:
+        """Write the chunk's real tokens (``[N, h, D]`` in plan order), opening the pages they start."""
+        self.open_pages(plan)
         slots = self.table[plan.batch, :, plan.page].reshape(-1)  # [N * h]
         offsets = plan.offset.repeat_interleave(self.num_heads)
         self.pool.k[slots, offsets] = new_keys.reshape(-1, new_keys.shape[-1]).to(self.pool.k.dtype)
         self.pool.v[slots, offsets] = new_values.reshape(-1, new_values.shape[-1]).to(self.pool.v.dtype)
+
+    def tail_slots(self, after: torch.Tensor) -> torch.Tensor:
+        """``[B, h]`` slots of each request's last page, given its real-token count ``after [B]``."""
+        tail_page = ((after - 1).clamp(min=0) // self.page_size).view(-1, 1, 1).expand(-1, self.num_heads, 1)
+        return self.table.gather(2, tail_page).squeeze(2)
 
     def page_slots(self, pages: torch.Tensor) -> torch.Tensor:
         """Pool slots of ``pages [B * h, k]`` (``-1`` stays ``-1``)."""

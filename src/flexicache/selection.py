@@ -46,6 +46,8 @@ def select_pages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` pages of every row, with the first page (sink) and optionally the last page (tail) forced in.
 
+    Equal scores are broken toward the lower page index, whatever the row's width (batch invariance).
+
     Args:
         scores: ``[R, P]`` page scores; columns at or beyond a row's ``num_pages`` are ignored.
         num_pages: ``[R]`` number of candidate pages of each row (pages ``0 .. num_pages - 1``).
@@ -69,7 +71,10 @@ def select_pages(
     if force_last:
         forced |= columns == num_pages - 1
     ranked = ranked.masked_fill(forced, float("inf"))
-    top_scores, top_pages = ranked.topk(k, dim=1)
+    # Ties go to the lower page index. A stable sort, not topk: topk breaks ties differently for different row
+    # widths, so a request would select other pages in a batch (wider rows) than alone, e.g. for a zero query.
+    top_scores, top_pages = ranked.sort(dim=1, descending=True, stable=True)
+    top_scores, top_pages = top_scores[:, :k], top_pages[:, :k]
     missing = top_scores == float("-inf")
     # Ascending page order, padding last: sort keys put missing entries after every real page.
     sort_keys = top_pages.masked_fill(missing, width)

@@ -9,7 +9,17 @@ import torch
 from flexicache.backends.base import DecodeBackend, DecodeLayout, build_decode_layout
 from flexicache.backends.reference import ReferenceBackend
 
-__all__ = ["DecodeBackend", "DecodeLayout", "ReferenceBackend", "build_decode_layout", "resolve_backend"]
+__all__ = ["DecodeBackend", "DecodeLayout", "ReferenceBackend", "build_decode_layout", "resolve_backend",
+           "triton_available"]
+
+
+def triton_available() -> bool:
+    """Whether Triton (for the fused decode-table kernel) can be imported."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def resolve_backend(name: str, device: torch.device) -> DecodeBackend:

@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: a backend's plan is valid for one step's layout object
 class DecodeLayout:
     """How many pages each row lists at one decode step; identical for every layer of that step.
 

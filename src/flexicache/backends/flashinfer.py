@@ -58,34 +58,38 @@ class FlashInferBackend:
             return self.use_tensor_cores
         return group not in CUDA_CORE_GROUP_SIZES or group >= 8
 
-    def _plan(self, layout: DecodeLayout, group: int, head_dim: int, page_size: int, dtype: torch.dtype,
-              scale: float, tensor_cores: bool):
-        key = (id(layout), group, head_dim, page_size, dtype, scale, tensor_cores)
-        wrapper = self._wrapper(tensor_cores)
-        if self._planned == key:
-            return wrapper
-        total = int(layout.row_indptr_host[-1])
-        if self._indices.numel() < total + 1:
-            self._indices = torch.empty(2 * (total + 1), dtype=torch.int32, device=self.device)
-        wrapper.plan(
-            layout.row_indptr_host, self._indices[:total], layout.row_last_page_len_host,
-            group, 1, head_dim, page_size, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
-        )
-        self._planned = key
-        self.plans += 1
-        return wrapper
+    def prepare(self, layout: DecodeLayout, group: int, head_dim: int, page_size: int, dtype: torch.dtype,
+                scale: float) -> torch.Tensor:
+        """Plan the step (once: every layer of the step passes the same ``layout``) and return the int32 index
+        buffer that each layer fills with its rows' page slots (``indices[indptr[r] + j]``) before
+        :meth:`run_prepared`."""
+        self._tensor_cores_now = self._tensor_cores(group)
+        key = (layout, group, head_dim, page_size, dtype, scale, self._tensor_cores_now)
+        if self._planned != key:
+            total = int(layout.row_indptr_host[-1])
+            if self._indices.numel() < total + 1:
+                self._indices = torch.empty(2 * (total + 1), dtype=torch.int32, device=self.device)
+            self._wrapper(self._tensor_cores_now).plan(
+                layout.row_indptr_host, self._indices[:total], layout.row_last_page_len_host,
+                group, 1, head_dim, page_size, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
+            )
+            self._planned = key
+            self.plans += 1
+        return self._indices
+
+    def run_prepared(self, query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor) -> torch.Tensor:
+        """Decode ``query [R, G, D]`` over the pool ``[S, ps, D]`` with the prepared plan and indices."""
+        cache = (pool_k.unsqueeze(2), pool_v.unsqueeze(2))  # [S, ps, 1, D] each (NHD, one KV head)
+        return self._wrapper(self._tensor_cores_now).run(query.contiguous(), cache)
 
     def paged_decode(self, query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor,
                      page_lens: torch.Tensor, scale: float, layout: DecodeLayout) -> torch.Tensor:
         rows, group, head_dim = query.shape
-        page_size = pool_k.shape[1]
-        tensor_cores = self._tensor_cores(group)
-        wrapper = self._plan(layout, group, head_dim, page_size, query.dtype, scale, tensor_cores)
+        indices = self.prepare(layout, group, head_dim, pool_k.shape[1], query.dtype, scale)
         # Compact each row's listed pages (in order, tail last) into the planned index buffer.
         listed = page_lens > 0
         rank = listed.to(torch.int32).cumsum(dim=1) - 1
         total = int(layout.row_indptr_host[-1])
         destination = torch.where(listed, layout.row_indptr[:-1].view(-1, 1) + rank, total)
-        self._indices.scatter_(0, destination.view(-1).long(), slots.view(-1).to(torch.int32))
-        cache = (pool_k.unsqueeze(2), pool_v.unsqueeze(2))  # [S, ps, 1, D] each (NHD, one KV head)
-        return wrapper.run(query.contiguous(), cache)
+        indices.scatter_(0, destination.view(-1).long(), slots.view(-1).to(torch.int32))
+        return self.run_prepared(query, pool_k, pool_v)

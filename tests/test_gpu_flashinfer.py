@@ -1,0 +1,148 @@
+"""CUDA path: FlashInfer backend against the torch reference, and FlexiCache generation on the GPU.
+
+Skipped without CUDA + FlashInfer; run on the GPU host (see BENCHMARKS.md for the command).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+flashinfer = pytest.importorskip("flashinfer") if torch.cuda.is_available() else None
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from flexicache import FlexiCache, HeadProfile  # noqa: E402
+from flexicache.backends import ReferenceBackend, build_decode_layout  # noqa: E402
+
+
+def relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((result.double() - reference.double()).norm() / reference.double().norm())
+
+
+@pytest.mark.parametrize("group", [1, 4, 7, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_flashinfer_matches_reference(group: int, head_dim: int) -> None:
+    from flexicache.backends.flashinfer import FlashInferBackend
+
+    torch.manual_seed(group * 1000 + head_dim)
+    device, page_size, pages_per_head, num_kv_heads = torch.device("cuda"), 16, 8, 3
+    num_tokens = torch.tensor([5, 16, 77, 400])  # 1 page, exactly full, partial, more pages than K
+    rows = num_tokens.numel() * num_kv_heads
+    pool_k = torch.randn(512, page_size, head_dim, device=device, dtype=torch.bfloat16)
+    pool_v = torch.randn_like(pool_k)
+    layout = build_decode_layout(num_tokens, num_kv_heads, pages_per_head, page_size, device)
+    counts = (layout.row_indptr_host[1:] - layout.row_indptr_host[:-1]).tolist()
+    slots = torch.full((rows, pages_per_head), -1, dtype=torch.long)
+    page_lens = torch.zeros(rows, pages_per_head, dtype=torch.long)
+    for row, count in enumerate(counts):
+        chosen = torch.randperm(512)[:count]
+        # listed entries may sit anywhere in the row (gaps allowed); the tail is the last listed one
+        positions = torch.sort(torch.randperm(pages_per_head)[:count]).values
+        slots[row, positions] = chosen
+        page_lens[row, positions] = page_size
+        page_lens[row, positions[-1]] = int(layout.row_last_page_len_host[row])
+    query = torch.randn(rows, group, head_dim, device=device, dtype=torch.bfloat16)
+    scale = head_dim**-0.5
+    args = (query, pool_k, pool_v, slots.to(device), page_lens.to(device), scale, layout)
+    expected = ReferenceBackend().paged_decode(*[a.double() if torch.is_tensor(a) and a.is_floating_point() else a
+                                                 for a in args])
+    for tensor_cores in (False, True):
+        if not tensor_cores and group not in (1, 2, 4, 8):
+            continue
+        result = FlashInferBackend(device, use_tensor_cores=tensor_cores).paged_decode(*args)
+        assert relative_error(result, expected) <= 1e-2
+
+
+def tiny_model(group: int = 4) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=128 * group, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=2 * group, num_key_value_heads=2, head_dim=64,
+                         max_position_embeddings=4096)
+    return LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+
+
+def decode_logits(model, cache, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """Teacher-forced: prefill ids[:, :-steps], then feed the remaining tokens one by one; ``[steps, V]``."""
+    logits = []
+    with torch.inference_mode():
+        model(ids[:, :-steps], past_key_values=cache, use_cache=True)
+        for index in range(ids.shape[1] - steps, ids.shape[1]):
+            logits.append(model(ids[:, index : index + 1], past_key_values=cache, use_cache=True).logits[0, -1])
+    return torch.stack(logits).float()
+
+
+@pytest.mark.parametrize("group", [4, 7])
+def test_full_budget_matches_dynamic_cache(group: int) -> None:
+    model = tiny_model(group)
+    profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim, unstable_heads=[(0, 0), (2, 1)])
+    ids = torch.randint(0, 512, (1, 700), device="cuda")
+    dense = decode_logits(model, DynamicCache(config=model.config), ids, 40)
+    cache = FlexiCache.from_model(model, profile=profile, token_budget=1024, backend="flashinfer")
+    sparse = decode_logits(model, cache, ids, 40)
+    assert cache.stats()["backend"] == "flashinfer"
+    assert relative_error(sparse, dense) <= 2e-2
+
+
+def test_flashinfer_generation_matches_reference_backend() -> None:
+    model = tiny_model(4)
+    profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim, unstable_heads=[(1, 0)])
+    ids = torch.randint(0, 512, (2, 900), device="cuda")
+    results = {}
+    for backend in ("reference", "flashinfer"):
+        cache = FlexiCache.from_model(model, profile=profile, token_budget=128, backend=backend)
+        results[backend] = decode_logits(model, cache, ids[:1], 48)
+        stats = cache.stats()
+        assert stats["promoted_pages"] > 0 and stats["reranks_stable"] > 0
+    assert relative_error(results["flashinfer"], results["reference"]) <= 2e-2
+
+
+def test_host_tier_round_trip_is_bit_exact() -> None:
+    model = tiny_model(4)
+    profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim, unstable_heads=[(0, 1)])
+    ids = torch.randint(0, 512, (2, 500), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0  # left padding
+    cache = FlexiCache.from_model(model, profile=profile, token_budget=64, backend="flashinfer")
+    dense = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, do_sample=False)
+        model.generate(ids, attention_mask=mask, past_key_values=dense, max_new_tokens=40, do_sample=False)
+    assert cache.layers[0].offloaded.host.k.is_pinned()
+    real = cache.sequence.logical_valid()[:, : ids.shape[1]]
+    for flexi_layer, dense_layer in zip(cache.layers, dense.layers):
+        keys, values = flexi_layer.read_logical()
+        length = ids.shape[1]  # generated tokens may differ (sparse budget); the prompt's KV must not
+        keys, values = keys[:, :, :length], values[:, :, :length]
+        expected_k = dense_layer.keys[:, :, :length]
+        expected_v = dense_layer.values[:, :, :length]
+        selector = real[:, None, :, None].expand_as(keys)
+        assert torch.equal(keys[selector], expected_k[selector])
+        assert torch.equal(values[selector], expected_v[selector])
+
+
+def test_fused_decode_table_matches_torch_table() -> None:
+    pytest.importorskip("triton")
+    model = tiny_model(4)
+    profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim,
+                          unstable_heads=[(0, 0), (1, 1), (3, 0), (3, 1)])
+    ids = torch.randint(0, 512, (3, 700), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :123] = 0
+    mask[2, :400] = 0
+    cache = FlexiCache.from_model(model, profile=profile, token_budget=128, backend="reference")
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=37, do_sample=False)
+        query = torch.randn(3, model.config.num_attention_heads, 1, model.config.head_dim, device="cuda",
+                            dtype=torch.bfloat16)
+        for layer in cache.layers:
+            rows_query = query.reshape(3 * 2, -1, model.config.head_dim)
+            layout = layer._decode_layout(layer.plan)
+            expected = layer._decode_table(rows_query, layer.plan)
+            fused = layer._fused_table(rows_query, layer.plan, None, layout)
+            for got, want in zip(fused, expected):
+                assert torch.equal(got, want)
