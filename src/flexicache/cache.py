@@ -133,13 +133,15 @@ class FlexiLayer(CacheLayerMixin):
         self.append(keys, values, plan)
         if not chunk.is_decode and self.offloaded is not None:
             self._rerank_stable(self._group_queries(query[:, :, -1], self.stable_index), plan)
+            # Stagger: layer l reranks at decode steps where (step + l) % interval == 0, so no step pays them all.
+            self.offloaded.steps_since_rerank = self.layer_idx % self.settings.rerank_interval
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, plan: AppendPlan) -> None:
         """Append a chunk ``[B, H, T, D]`` to both head classes following ``plan``."""
-        self.meta.append(chunk_tokens(keys, plan), plan)
         if plan.is_single_token:
             self._append_token(keys[:, :, 0], values[:, :, 0], plan)
         else:
+            self.meta.append(chunk_tokens(keys, plan), plan)
             if self.resident is not None:
                 self.resident.append(chunk_tokens(keys.index_select(1, self.unstable_index), plan),
                                      chunk_tokens(values.index_select(1, self.unstable_index), plan), plan)
@@ -158,6 +160,14 @@ class FlexiLayer(CacheLayerMixin):
         if self.resident is not None and plan.num_new_pages:
             self.resident.open_pages(plan)
             self.write_slots[:, self.unstable_index] = self.resident.tail_slots(plan.after)
+        self.meta.reserve(plan.max_pages_after)
+        if self.fused_table:
+            from flexicache.backends.triton_select import append_token
+
+            append_token(keys, values, self.pool.k, self.pool.v, self.meta.kmin, self.meta.kmax, self.write_slots,
+                         plan.page, plan.offset)
+            return
+        self.meta.append(keys, plan)
         offsets = self._per_step(plan, "token_offsets", lambda: plan.offset.repeat_interleave(self.num_kv_heads))
         slots = self.write_slots.view(-1)
         self.pool.k[slots, offsets] = keys.reshape(-1, self.head_dim).to(self.dtype)
@@ -434,21 +444,29 @@ class FlexiCache(DynamicCache):
     def _rebuild(self, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Read every token back, transform keys/values ``[B, H, L, D]`` and validity ``[B, L]``, re-page.
 
-        The stable heads rerank at the next decode step (their selection needs a query).
+        The stable heads rerank at the next decode step (their selection needs a query). The work counters are
+        cumulative: they keep counting through the rebuild (whose own transfers are added).
         """
         if self.sequence.logical_length == 0:
             return
         valid = transform(self.sequence.logical_valid())
         contents = [(layer, *map(transform, layer.read_logical())) for layer in self.layers]
+        counters = [(layer.unstable_counters, layer.offloaded.counters if layer.offloaded else None,
+                     layer.decode_steps) for layer in self.layers]
         self.reset()
-        for layer, keys, values in contents:
+        for (layer, keys, values), (unstable_counters, stable_counters, decode_steps) in zip(contents, counters):
             layer.lazy_initialization(keys, values)
             plan = self.sequence.plan_chunk(0, None if bool(valid.all()) else valid.to(layer.device),
                                             keys.shape[0], keys.shape[2], layer.device)
             layer.append(keys, values, plan)
             layer.logical_length = keys.shape[2]
+            layer.unstable_counters, layer.decode_steps = unstable_counters, decode_steps
             if layer.offloaded is not None:
                 layer.offloaded.steps_since_rerank = self.settings.rerank_interval
+                for name in ("reranks", "promoted_pages", "bytes_h2d", "bytes_d2h"):
+                    added = getattr(layer.offloaded.counters, name)
+                    setattr(stable_counters, name, getattr(stable_counters, name) + added)
+                layer.offloaded.counters = stable_counters
 
     # --------------------------------------------------------------------------------------------------- stats
 

@@ -40,11 +40,15 @@ class PageMetadata:
     def nbytes(self) -> int:
         return 2 * self.kmin.numel() * self.kmin.element_size()
 
+    def reserve(self, num_pages: int) -> None:
+        """Make room for ``num_pages`` pages per row."""
+        self.kmin = grow_dim(self.kmin, 2, num_pages, float("inf"))
+        self.kmax = grow_dim(self.kmax, 2, num_pages, float("-inf"))
+
     def append(self, new_keys: torch.Tensor, plan: AppendPlan) -> None:
-        """Fold the chunk's real keys (``[N, h, D]`` in plan order) into their pages' min/max."""
+        """Fold the chunk's real keys (``[N, H, D]`` in plan order) into their pages' min/max."""
         batch_size, num_heads, _, head_dim = self.kmin.shape
-        self.kmin = grow_dim(self.kmin, 2, plan.max_pages_after, float("inf"))
-        self.kmax = grow_dim(self.kmax, 2, plan.max_pages_after, float("-inf"))
+        self.reserve(plan.max_pages_after)
         new_keys = new_keys.to(self.kmin.dtype)
         if plan.is_single_token:  # decode: one token per request, a page opens where its offset is 0
             opens = (plan.offset == 0).view(-1, 1, 1)
