@@ -20,7 +20,7 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from flexicache import FlexiCache, HeadProfile
-from flexicache.evaluation.synthetic import passkey_sample
+from flexicache.evaluation.synthetic import build_sample
 from flexicache.models import SMOLLM2, load_model
 from flexicache.profiles import shipped_profile_path
 
@@ -77,8 +77,9 @@ def main() -> None:
     model, tokenizer = load_model(args.model, gguf_file=args.gguf_file)
     profile_path = args.profile or (shipped_profile_path("smollm2-135m-instruct") if args.model == SMOLLM2 else None)
     profile = HeadProfile.load(profile_path) if profile_path else None
-    sample = passkey_sample(tokenizer, args.context_tokens, seed=args.seed)
-    inputs = tokenizer(sample.prompt, return_tensors="pt").to(model.device)
+    sample = build_sample("passkey", tokenizer, args.context_tokens, seed=args.seed, index=0, count=1)
+    input_ids = torch.tensor([sample.input_ids], device=model.device)
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
     print(f"model {args.model} on {model.device}, prompt {inputs['input_ids'].shape[1]} tokens, "
           f"pass key {sample.answers[0]}, FlexiCache budget {args.budget} tokens per KV head")
 

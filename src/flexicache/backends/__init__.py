@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -28,12 +29,20 @@ def resolve_backend(name: str, device: torch.device) -> DecodeBackend:
         return ReferenceBackend()
     if device.type != "cuda":
         raise ValueError(f"backend='flashinfer' needs a CUDA device, the cache is on {device}; use 'reference'.")
-    from flexicache.backends.flashinfer import FlashInferBackend, flashinfer_available
+    from flexicache.backends.flashinfer import flashinfer_available
 
     if flashinfer_available():
-        return FlashInferBackend(device)
+        return _shared_flashinfer(device)
     if name == "flashinfer":
         raise ImportError("backend='flashinfer' needs FlashInfer: pip install 'flexicache[cuda]'.")
     warnings.warn("FlashInfer is not installed: FlexiCache decodes with the torch reference backend "
                   "(slower). pip install 'flexicache[cuda]' for the CUDA kernels.", stacklevel=3)
     return ReferenceBackend()
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_flashinfer(device: torch.device) -> DecodeBackend:
+    """One FlashInfer backend (workspace, wrappers, plan) per device, shared by every cache of the process."""
+    from flexicache.backends.flashinfer import FlashInferBackend
+
+    return FlashInferBackend(device)

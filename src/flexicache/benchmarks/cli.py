@@ -1,0 +1,158 @@
+"""``flexicache bench``: memory, decode latency, rerank ablation, throughput and an offline mix, side by side.
+
+``--device cuda`` runs the GPU suite (Llama-3.1-8B shape with random weights, bf16, FlashInfer; ~7 minutes on one
+H200 including ~2 of JIT compile; ``--time-budget`` skips what does not fit); ``--device cpu`` runs the same cases on a tiny random model with the torch reference
+backend (CI: well under a minute). Every option left out takes the device's preset. Writes ``bench.json``,
+``report.md`` and PNG plots into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+MARKERS = ("<!-- flexicache-bench:start -->", "<!-- flexicache-bench:end -->")
+
+# Settings field -> (type, nargs, help). Defaults come from suite.PRESETS[device].
+OPTIONS: dict[str, tuple[type, str | None, str]] = {
+    "models": (str, "+", "model shapes: llama-3.1-8b, mistral-7b, tiny-llama"),
+    "layers": (int, None, "decoder layers actually run (full-depth numbers are extrapolated per layer)"),
+    "dtype": (str, None, "float32, bfloat16 or float16"),
+    "backend": (str, None, "FlexiCache decode backend: auto, reference, flashinfer"),
+    "cases": (str, "+", ("cases to run (always in this order): memory decode attention rerank throughput mix; "
+                        "attention (dense FlashInfer baseline, CUDA) is not in the presets")),
+    "time_budget": (float, None, "seconds for the whole run (0: unlimited); measurements past it are skipped"),
+    "warmup": (int, None, "untimed decode steps before each timed window (>= 17 covers the host tier's growth)"),
+    "steps": (int, None, "timed decode steps per measurement"),
+    "profile_steps": (int, None, ("CUDA: extra decode steps under the torch profiler for the GPU busy time, at "
+                               "--attention-batch (0: off)")),
+    "unstable_fraction": (float, None, "share of each layer's KV heads that are unstable (random choice)"),
+    "rerank_interval": (int, None, "stable heads' rerank interval"),
+    "page_size": (int, None, "tokens per page"),
+    "seed": (int, None, "random seed"),
+    "memory_contexts": (int, "+", "memory: context lengths"),
+    "memory_systems": (str, "+", "memory: systems (dynamic, dynamic-offload, dense, flexicache-B, quest-B)"),
+    "memory_steps": (int, None, "memory: decode steps after the prefill"),
+    "decode_contexts": (int, "+", "decode: context lengths"),
+    "decode_batches": (int, "+", "decode: batch sizes"),
+    "decode_systems": (str, "+", "decode: systems"),
+    "loop_context": (int, None, "context of the loop-cost calibration (DynamicCache, 1 and --layers layers)"),
+    "offload_max_tokens": (int, None, "decode: skip dynamic-offload above batch x context tokens"),
+    "attention_batch": (int, None, "attention-layer and rerank cases: batch (also the targets' batch)"),
+    "attention_context": (int, None, "attention-layer and rerank cases: context (also the targets' context)"),
+    "budget": (int, None, "attention-layer and rerank cases: token budget (also the targets' budget)"),
+    "layer_steps": (int, None, "attention-layer and rerank cases: timed steps"),
+    "query_correlation": (float, None, "rerank: correlation of consecutive random queries (0: independent)"),
+    "throughput_context": (int, None, "throughput: context length"),
+    "throughput_systems": (str, "+", "throughput: systems"),
+    "probe_batch": (int, None, "throughput: batch of the memory probe"),
+    "max_batch": (int, None, "throughput: cap on the largest batch"),
+    "device_memory_gib": (float, None, "throughput: device memory (0: the GPU's)"),
+    "host_memory_gib": (float, None, "throughput: host memory for the host tier (0: 85%% of RAM)"),
+    "reserve_gib": (float, None, "throughput: device memory kept free (workspaces, fragmentation)"),
+    "mix_requests": (int, None, "mix: number of requests"),
+    "mix_batch": (int, None, "mix: static batch size"),
+    "mix_input": (int, 2, "mix: input length range LOW HIGH"),
+    "mix_output": (int, 2, "mix: output length range LOW HIGH"),
+    "mix_max_steps": (int, None, "mix: decode steps measured per batch (the rest at the batch's median)"),
+    "mix_systems": (str, "+", "mix: systems"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``flexicache bench``."""
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="cuda: the GPU suite; cpu: the tiny CPU suite; auto: cuda when available")
+    parser.add_argument("--out", default="bench-results", help="output folder")
+    parser.add_argument("--report-from", metavar="BENCH_JSON",
+                        help="no measurement: re-render report.md and plots from a bench.json into --out")
+    parser.add_argument("--update-benchmarks", metavar="MARKDOWN",
+                        help=f"replace the text between {MARKERS[0]} and {MARKERS[1]} in this file by the report")
+    group = parser.add_argument_group("suite settings (default: the --device preset)")
+    for name, (kind, nargs, help_text) in OPTIONS.items():
+        flag = "--" + name.replace("_", "-")
+        if nargs is None:
+            group.add_argument(flag, type=kind, help=help_text)
+        else:
+            group.add_argument(flag, type=kind, nargs=nargs, help=help_text)
+
+
+def settings_from(args: argparse.Namespace) -> Any:
+    """The preset of ``--device`` overridden by the options given; raises ``SystemExit`` on a bad value."""
+    import torch
+
+    from flexicache.benchmarks.suite import CASES, MODEL_SHAPES, PRESETS, Settings, System, full_layers
+    from flexicache.config import FlexiCacheConfig
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    values = dict(PRESETS[device], device=device)
+    values.update({name: getattr(args, name) for name in OPTIONS if getattr(args, name, None) is not None})
+    settings = Settings(**values)
+    try:
+        for model in settings.models:
+            if model not in MODEL_SHAPES:
+                raise ValueError(f"unknown model {model!r}: one of {sorted(MODEL_SHAPES)}")
+            if not 1 <= settings.layers <= full_layers(model):
+                raise ValueError(f"--layers must be between 1 and {full_layers(model)} for {model}")
+        unknown = sorted(set(settings.cases) - set(CASES))
+        if unknown:
+            raise ValueError(f"unknown cases {unknown}: choose from {list(CASES)}")
+        names = {*settings.memory_systems, *settings.decode_systems, *settings.throughput_systems,
+                 *settings.mix_systems}
+        budgets = {settings.budget} | {System(name).budget for name in names} - {None}
+        for budget in budgets:
+            FlexiCacheConfig(token_budget=budget, page_size=settings.page_size)
+        if settings.warmup < 1 or settings.steps < 1 or settings.layer_steps < 1:
+            raise ValueError("--warmup, --steps and --layer-steps must be at least 1")
+        for low, high in (settings.mix_input, settings.mix_output):
+            if not 1 <= low <= high:
+                raise ValueError("--mix-input and --mix-output take LOW HIGH with 1 <= LOW <= HIGH")
+        getattr(torch, settings.dtype)
+    except (ValueError, AttributeError) as error:
+        raise SystemExit(f"flexicache bench: {error}") from error
+    return settings
+
+
+def update_markdown(path: Path, report: str) -> None:
+    """Replace the text between the markers in ``path`` by ``report``."""
+    text = path.read_text(encoding="utf-8")
+    pattern = re.compile(re.escape(MARKERS[0]) + ".*?" + re.escape(MARKERS[1]), re.DOTALL)
+    if not pattern.search(text):
+        raise SystemExit(f"{path} has no {MARKERS[0]} ... {MARKERS[1]} section to update")
+    path.write_text(pattern.sub(lambda _: f"{MARKERS[0]}\n{report}\n{MARKERS[1]}", text), encoding="utf-8")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from flexicache.benchmarks.plots import write_plots
+    from flexicache.benchmarks.report import render_report
+    from flexicache.benchmarks.suite import run_suite
+
+    out = Path(args.out)
+    if args.report_from:
+        results = json.loads(Path(args.report_from).read_text(encoding="utf-8"))
+        out.mkdir(parents=True, exist_ok=True)
+        results["plots"] = write_plots(results, out)
+        (out / "report.md").write_text(render_report(results), encoding="utf-8")
+    else:
+        settings = settings_from(args)
+        if settings.device == "cpu":  # tiny tensors: intra-op threads only add hand-off latency
+            torch.set_num_threads(1)
+        results = run_suite(settings, out, "flexicache " + shlex.join(sys.argv[1:]))
+        print(f"flexicache bench: wrote {out / 'bench.json'}")
+    if args.update_benchmarks:
+        target = Path(args.update_benchmarks)
+        prefix = os.path.relpath(out.resolve(), target.resolve().parent)
+        update_markdown(target, render_report(results, plot_prefix=prefix))
+    print(f"flexicache bench: wrote {out / 'report.md'} and plots {results.get('plots')}")
+    return 0
+

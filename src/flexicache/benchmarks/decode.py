@@ -1,0 +1,143 @@
+"""Decode case: ``generate`` step latency (p50, p99) and tokens/s vs batch size and context, per system.
+
+Each measurement fills the cache with random keys/values (no prefill forward), then runs greedy ``generate``:
+``--warmup`` steps (first-step set-up, JIT, the host tier's first growth) and ``--steps`` timed steps, each timed
+with a device synchronisation. On CUDA, ``--profile-steps`` more steps run under the torch profiler for the device
+busy time (kernels + copies), so that host-bound steps show as ``step time >> device time`` (at the targets' batch,
+``--attention-batch``, only).
+
+The model has ``--layers`` decoder layers. Its loop cost is calibrated per batch size with DynamicCache at
+``--loop-context`` on 1 and ``--layers`` layers: ``fixed`` (embedding, lm_head, sampling, generate's bookkeeping)
+and a per-layer cost. A full-depth step is estimated as ``fixed + full_layers / layers * (step - fixed)``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from flexicache.benchmarks.measure import (
+    allocated,
+    cache_bytes,
+    counters,
+    device_busy_ms,
+    fill_cache,
+    peak,
+    pinned_bytes,
+    reset_peak,
+    summarize,
+    timed_generate,
+)
+from flexicache.benchmarks.suite import CaseResult, Suite, System, full_layers, systems
+
+
+def decode_run(suite: Suite, model: Any, system: System, batch: int, context: int, steps: int,
+               profile_steps: int = 0) -> dict[str, Any]:
+    """Fill, warm up, time ``steps`` generate steps of ``model`` with ``system``'s cache at ``batch x context``."""
+    s = suite.settings
+    model.set_attn_implementation(system.attn_implementation)
+    cache = system.make_cache(model.config, context + s.warmup + steps + profile_steps + 2, s)
+    base, pinned_base = allocated(suite.device), pinned_bytes(suite.device)
+    ids = fill_cache(model, cache, batch, context, s.seed)
+    sequences, warm_ms = timed_generate(model, cache, ids, s.warmup)
+    warm_allocated, warm_pinned = allocated(suite.device), pinned_bytes(suite.device)
+    reset_peak(suite.device)
+    before = counters(cache)
+    sequences, step_ms = timed_generate(model, cache, sequences, steps + 1)
+    step_ms = step_ms[1:]  # the first step of a generate call carries its set-up
+    after = counters(cache)
+    row: dict[str, Any] = {"layers": model.config.num_hidden_layers, **summarize(step_ms),
+                           "warmup_max_ms": max(warm_ms[1:], default=None)}
+    row["tokens_per_s"] = 1000 * batch / row["step_ms_p50"]
+    if profile_steps:
+        busy = device_busy_ms(lambda: timed_generate(model, cache, sequences, profile_steps), suite.device)
+        if busy is not None:  # host-bound steps leave the GPU idle most of the time
+            row["device_busy_ms"] = busy / profile_steps
+            row["gpu_idle_share"] = max(0.0, 1 - row["device_busy_ms"] / row["step_ms_p50"])
+    row.update(cache_bytes(cache, suite.device))
+    if base is not None:
+        row["cache_allocated_bytes"] = warm_allocated - base
+        row["decode_peak_extra_bytes"] = peak(suite.device) - warm_allocated
+    if pinned_base is not None and warm_pinned is not None:
+        row["pinned_host_bytes"] = warm_pinned - pinned_base
+    if before:  # the timed generate ran steps + 1 forwards
+        row.update({f"{key}_per_step": (after[key] - before[key]) / (steps + 1) for key in after})
+    return row
+
+
+def loop_cost(suite: Suite, model_name: str, batch: int) -> dict[str, Any] | None:
+    """The transformers loop's fixed and per-layer cost at ``batch`` (DynamicCache at ``--loop-context``), memoised;
+    ``None`` when the model has a single layer."""
+    s = suite.settings
+    if s.layers < 2:
+        return None
+
+    def compute() -> dict[str, Any]:
+        step = {}
+        for layers in (1, s.layers):
+            model = suite.model(model_name, layers)
+            step[layers] = decode_run(suite, model, System("dynamic"), batch, s.loop_context, s.steps)["step_ms_p50"]
+        per_layer = (step[s.layers] - step[1]) / (s.layers - 1)
+        fixed = min(max(step[1] - per_layer, 0.0), step[1])
+        entry = {"model": model_name, "batch": batch, "context": s.loop_context, "step_ms_1_layer": step[1],
+                 "step_ms": step[s.layers], "layers": s.layers, "per_layer_ms": per_layer, "fixed_ms": fixed,
+                 "full_depth_step_ms": fixed + full_layers(model_name) * per_layer}
+        suite.results.setdefault("loop", []).append(entry)
+        print(f"[{suite.elapsed():7.1f}s] loop cost {entry}", flush=True)
+        return entry
+
+    return suite.memoised(("loop", model_name, batch), compute)
+
+
+def full_depth_ms(suite: Suite, model_name: str, batch: int, step_ms: float) -> float | None:
+    """Estimated step time of the full-depth model from a step time of the ``--layers`` model."""
+    loop = loop_cost(suite, model_name, batch)
+    if loop is None:
+        return None
+    fixed = loop["fixed_ms"]
+    return fixed + full_layers(model_name) / suite.settings.layers * (step_ms - fixed)
+
+
+def with_full_depth(suite: Suite, model_name: str, batch: int, row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` plus ``full_depth``: the estimated full-depth step time and tokens/s."""
+    step = full_depth_ms(suite, model_name, batch, row["step_ms_p50"])
+    row["full_depth"] = None if step is None else {"step_ms_p50": step, "tokens_per_s": 1000 * batch / step}
+    return row
+
+
+def measurement_order(contexts: list[int], batches: list[int], context: int, batch: int, loop_context: int
+                      ) -> list[tuple[int, int]]:
+    """The ``(context, batch)`` grid, the targets' points first (``context x batch``, then ``loop_context x batch``),
+    the rest by decreasing context, so that a time budget cuts the least important measurements."""
+    grid = [(c, b) for c in contexts for b in batches]
+    return sorted(grid, key=lambda point: (point != (context, batch), point != (loop_context, batch), -point[0],
+                                           point[1]))
+
+
+def measure(suite: Suite, model_name: str, model: Any, system: System, batch: int, context: int) -> dict[str, Any]:
+    """One decode measurement with its full-depth estimate (the first at a batch size runs its loop calibration)."""
+    s = suite.settings
+    profile_steps = s.profile_steps if batch == s.attention_batch else 0  # the profiler costs seconds per run
+    row = decode_run(suite, model, system, batch, context, s.steps, profile_steps)
+    return with_full_depth(suite, model_name, batch, row)
+
+
+def run(suite: Suite, model_name: str, result: CaseResult) -> None:
+    s = suite.settings
+    if not result.notes:
+        result.notes.append(
+            f"{s.layers}-layer random-weight models; `full_depth` = estimate for {full_layers(model_name)} layers "
+            f"from the loop calibration (DynamicCache at {s.loop_context} tokens on 1 and {s.layers} layers). Step "
+            f"times are wall times of generate steps (device synchronised), p50/p99 over {s.steps} steps after "
+            f"{s.warmup} warm-up steps; `warmup_max_ms` is the slowest warm-up step (host-tier growth shows there).")
+    model = suite.model(model_name)
+    for context, batch in measurement_order(s.decode_contexts, s.decode_batches, s.attention_context,
+                                            s.attention_batch, s.loop_context):
+        for system in systems(s.decode_systems):
+            label = {"model": model_name, "system": system.name, "context": context, "batch": batch}
+            if system.kind == "dynamic-offload" and (suite.device.type != "cuda"
+                                                     or batch * context > s.offload_max_tokens):
+                result.skipped.append(dict(label, reason="DynamicCache(offloading=True) needs CUDA; on CUDA it "
+                                           "moves all KV both ways every step: limited by --offload-max-tokens"))
+                continue
+            suite.attempt(result, label, partial(measure, suite, model_name, model, system, batch, context))

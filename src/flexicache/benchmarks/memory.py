@@ -1,0 +1,66 @@
+"""Memory case: device KV bytes and peak device memory vs context length, batch 1, per system.
+
+Each measurement runs a real ``generate``: the prefill of a random prompt of ``context`` tokens, then
+``--memory-steps`` decode steps (enough to open new pages and grow FlexiCache's pools). Bytes come from the cache
+(``FlexiCache.stats()`` names); on CUDA the allocator's peak during generate is recorded too. ``full_depth``
+scales everything per layer to the full model: KV bytes exactly, the peak as
+``weights(full) + peak over the weights + (full_layers / layers - 1) * cache bytes left allocated`` (an estimate).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from flexicache.benchmarks.measure import (
+    allocated,
+    cache_bytes,
+    peak,
+    random_ids,
+    reset_peak,
+    timed_generate,
+    weight_bytes,
+)
+from flexicache.benchmarks.suite import CaseResult, Suite, System, full_layers, systems
+
+
+def measure(suite: Suite, model: Any, system: System, context: int, full: int) -> dict[str, Any]:
+    s = suite.settings
+    model.set_attn_implementation(system.attn_implementation)
+    cache = system.make_cache(model.config, context + s.memory_steps + 1, s)
+    ids = random_ids(1, context, model.config.vocab_size, suite.device, s.seed)
+    reset_peak(suite.device)
+    base = allocated(suite.device)
+    _, step_ms = timed_generate(model, cache, ids, s.memory_steps)
+    row: dict[str, Any] = {"layers": s.layers, "prefill_ms": step_ms[0], **cache_bytes(cache, suite.device)}
+    on_device = row["device_kv_bytes"] + row["device_metadata_bytes"]
+    row["device_fraction_of_dense"] = on_device / row["dense_kv_bytes"]
+    scale = full / s.layers
+    row["full_depth"] = {"layers": full, "device_kv_bytes": row["device_kv_bytes"] * scale,
+                         "device_bytes": on_device * scale, "device_reserved_bytes": row["device_reserved_bytes"] * scale,
+                         "host_reserved_bytes": row["host_reserved_bytes"] * scale}
+    if base is not None:  # CUDA: the allocator's view (``base`` holds the weights and nothing of this cache)
+        left = allocated(suite.device) - base
+        row.update(cache_allocated_bytes=left, peak_bytes=peak(suite.device), peak_over_base_bytes=peak(suite.device)
+                   - base)
+        row["full_depth"]["peak_bytes"] = weight_bytes(model, full)[1] + row["peak_over_base_bytes"] + (scale - 1) * left
+    return row
+
+
+def run(suite: Suite, model_name: str, result: CaseResult) -> None:
+    s = suite.settings
+    full = full_layers(model_name)
+    if not result.notes:
+        result.notes.append(
+            f"Batch 1, real prefill + {s.memory_steps} decode steps on a {s.layers}-layer model; `full_depth` scales "
+            f"to {full} layers (KV exactly, peak as an estimate). Device bytes of FlexiCache = pages in use "
+            "(`device_kv_bytes`) + page min/max (`device_metadata_bytes`); `device_reserved_bytes` includes pool "
+            "capacity not yet used.")
+    model = suite.model(model_name)
+    for context in s.memory_contexts:
+        for system in systems(s.memory_systems):
+            label = {"model": model_name, "system": system.name, "context": context, "batch": 1}
+            if system.kind == "dynamic-offload" and suite.device.type != "cuda":
+                result.skipped.append(dict(label, reason="DynamicCache(offloading=True) needs CUDA"))
+                continue
+            suite.attempt(result, label, partial(measure, suite, model, system, context, full))

@@ -1,0 +1,121 @@
+"""PNG plots of a ``flexicache bench`` run (matplotlib, Agg): memory vs context, speedup vs batch, rerank ablation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flexicache.benchmarks.report import GIB, case_rows, find
+from flexicache.benchmarks.rerank import rerank_summary
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def tokens_label(count: int) -> str:
+    return f"{count // 1024}k" if count >= 1024 and count % 1024 == 0 else str(count)
+
+
+def log2_axis(ax: Any, values: list[int], label: str) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(values, [tokens_label(value) for value in values])
+    ax.minorticks_off()
+    ax.set_xlabel(label)
+
+
+def plot_memory(rows: list[dict[str, Any]], path: Path) -> None:
+    """Full-depth device bytes (KV + metadata) and peak (CUDA) or reserved device bytes vs context, per system."""
+    plt = _pyplot()
+    has_peak = any("peak_bytes" in row["full_depth"] for row in rows)
+    right_key, right_title = ("peak_bytes", "peak device memory (estimate)") if has_peak else (
+        "device_reserved_bytes", "device bytes reserved")
+    unit, scale = ("GiB", GIB) if max(row["full_depth"]["device_bytes"] for row in rows) >= GIB else ("MiB", 2**20)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for system in dict.fromkeys(row["system"] for row in rows):
+        points = sorted((row["context"], row["full_depth"]) for row in rows if row["system"] == system)
+        contexts = [context for context, _ in points]
+        axes[0].plot(contexts, [full["device_bytes"] / scale for _, full in points], marker="o", label=system)
+        axes[1].plot(contexts, [full.get(right_key, 0) / scale for _, full in points], marker="o", label=system)
+    layers = rows[0]["full_depth"]["layers"]
+    for ax, title in zip(axes, ("device KV + page metadata", right_title)):
+        log2_axis(ax, sorted({row["context"] for row in rows}), "context (tokens), batch 1")
+        ax.set_ylabel(unit)
+        ax.set_title(f"{title}, {layers} layers", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_speedup(rows: list[dict[str, Any]], path: Path) -> None:
+    """Step-time speedup over DynamicCache vs batch size, one panel per context."""
+    plt = _pyplot()
+    contexts = sorted({row["context"] for row in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(4.2 * len(contexts), 3.6), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        for system in dict.fromkeys(row["system"] for row in rows if row["system"] != "dynamic"):
+            points = []
+            for row in rows:
+                dyn = find(rows, system="dynamic", context=context, batch=row["batch"], model=row["model"])
+                if row["system"] == system and row["context"] == context and dyn:
+                    points.append((row["batch"], dyn["step_ms_p50"] / row["step_ms_p50"]))
+            if points:
+                points.sort()
+                ax.plot([b for b, _ in points], [v for _, v in points], marker="o", label=system)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        log2_axis(ax, sorted({row["batch"] for row in rows}), "batch")
+        ax.set_ylabel("DynamicCache step / system step")
+        ax.set_title(f"context {tokens_label(context)} ({rows[0]['layers']} layers, measured)", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_rerank(rows: list[dict[str, Any]], path: Path) -> None:
+    """Step time per rerank schedule, annotated with rerank cost and reranked rows per step."""
+    plt = _pyplot()
+    summary = rerank_summary(rows)
+    names = list(summary)
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    bars = ax.bar(names, [summary[name]["step_ms_p50"] for name in names], color="tab:blue")
+    for bar, name in zip(bars, names):
+        item = summary[name]
+        rerank = "-" if item["rerank_ms"] is None else f"{item['rerank_ms']:.2f}"
+        ax.annotate(f"rerank {rerank} ms\n{item['reranked_rows_per_step']:.0f} rows/step",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
+    first = rows[0]
+    ax.set_ylabel("decode step ms (attention layers)")
+    ax.set_title(f"rerank ablation: {first['layers']} layers, batch {first['batch']}, context {first['context']}, "
+                 f"budget {first['budget']}", fontsize=9)
+    ax.margins(y=0.25)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+PLOTS = {"memory": ("memory.png", plot_memory), "decode": ("decode_speedup.png", plot_speedup),
+         "rerank": ("rerank.png", plot_rerank)}
+
+
+def write_plots(results: dict[str, Any], out: Path) -> list[str]:
+    """Write the plots whose case has rows; returns their file names (none without matplotlib)."""
+    try:
+        _pyplot()
+    except ImportError:
+        return []
+    written = []
+    for case, (name, plot) in PLOTS.items():
+        rows = case_rows(results, case)
+        if rows:
+            plot(rows, out / name)
+            written.append(name)
+    return written

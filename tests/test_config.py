@@ -1,0 +1,166 @@
+"""Bad input fails at once with a message that says what to change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import Driver, FakeAttention, greedy, random_prompt, tiny_config, tiny_model
+from transformers import DynamicCache, MistralConfig, Qwen2Config
+
+from flexicache import FlexiCache, FlexiCacheConfig, HeadProfile
+from flexicache.attention import ATTENTION_NAME, flexicache_attention_forward, real_tokens_of_chunk
+
+
+@pytest.mark.parametrize("page_size", [3, 12, 0, -4, 24])
+def test_page_size_must_be_power_of_two(page_size):
+    with pytest.raises(ValueError, match="power of two"):
+        FlexiCacheConfig(token_budget=96, page_size=page_size)
+    with pytest.raises(ValueError, match="power of two"):
+        FlexiCache(tiny_config(), token_budget=96, page_size=page_size)
+
+
+@pytest.mark.parametrize("budget,page_size", [(16, 16), (8, 16), (0, 4), (31, 16)])
+def test_budget_below_sink_plus_tail(budget, page_size):
+    with pytest.raises(ValueError, match="sink page plus the tail page"):
+        FlexiCache(tiny_config(), token_budget=budget, page_size=page_size)
+
+
+def test_budget_not_multiple_of_page_size_suggests_neighbours():
+    with pytest.raises(ValueError, match="not a multiple of page_size=16; use 32 or 48"):
+        FlexiCache(tiny_config(), token_budget=40, page_size=16)
+
+
+def test_valid_settings_and_other_fields():
+    settings = FlexiCacheConfig(token_budget=64, page_size=16)
+    assert settings.pages_per_head == 4
+    FlexiCacheConfig(token_budget=2, page_size=1)  # the smallest valid budget
+    with pytest.raises(ValueError, match="rerank_interval"):
+        FlexiCacheConfig(rerank_interval=0)
+    with pytest.raises(ValueError, match="group_reduce"):
+        FlexiCacheConfig(group_reduce="mean")
+    with pytest.raises(ValueError, match="backend"):
+        FlexiCacheConfig(backend="cuda")
+
+
+def test_flashinfer_backend_on_cpu_is_refused():
+    config = tiny_config(num_layers=1)
+    model = tiny_model(config)
+    cache = FlexiCache.from_model(model, token_budget=32, page_size=8, backend="flashinfer")
+    with pytest.raises(ValueError, match="CUDA"):
+        greedy(model, random_prompt(5, seed=0).view(1, -1), cache, None, 2)
+
+
+@pytest.mark.parametrize("shape", [(4, 2, 8), (3, 4, 8), (3, 2, 16)])
+def test_profile_for_another_model(shape):
+    config = tiny_config(num_layers=3, num_kv_heads=2, head_dim=8)
+    profile = HeadProfile(*shape, unstable_heads=[(0, 0)], model="other/model")
+    with pytest.raises(ValueError, match="made for a model with .*other/model.*profile=None"):
+        FlexiCache(config, profile=profile, token_budget=32, page_size=8)
+
+
+def test_profile_path_and_head_range(tmp_path):
+    config = tiny_config(num_layers=3, num_kv_heads=2, head_dim=8)
+    profile = HeadProfile(3, 2, 8, unstable_heads=[(2, 1), (0, 0), (0, 0)])
+    assert profile.unstable_heads == [(0, 0), (2, 1)]
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    cache = FlexiCache(config, profile=str(path), token_budget=32, page_size=8)
+    assert cache.profile.unstable_heads == [(0, 0), (2, 1)]
+    assert [layer.unstable_heads for layer in cache.layers] == [[0], [], [1]]
+    assert [layer.stable_heads for layer in cache.layers] == [[1], [0, 1], [0]]
+    with pytest.raises(ValueError, match="outside the profiled shape"):
+        HeadProfile(3, 2, 8, unstable_heads=[(3, 0)])
+
+
+def test_beam_search_is_refused():
+    config = tiny_config(num_layers=2)
+    model = tiny_model(config)
+    cache = FlexiCache.from_model(model, token_budget=32, page_size=8)
+    with pytest.raises(NotImplementedError, match="beam search"):
+        model.generate(random_prompt(10, seed=0).view(1, -1), past_key_values=cache, num_beams=2, max_new_tokens=4,
+                       do_sample=False)
+
+
+@pytest.mark.parametrize("config", [
+    MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, sliding_window=32),
+    Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+], ids=["mistral-sliding", "qwen2-sliding-layers"])
+def test_sliding_window_models_are_refused(config):
+    with pytest.raises(ValueError, match="full-attention layers only.*sliding_window = None"):
+        FlexiCache(config, token_budget=32, page_size=8)
+    model = tiny_model(config)
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match="sliding"):
+        FlexiCache.from_model(model, token_budget=32, page_size=8)
+    assert model.config._attn_implementation == before, "a refused model must not be switched"
+
+
+def test_model_not_switched_to_flexicache_attention():
+    config = tiny_config(num_layers=2)
+    model = tiny_model(config)
+    model.set_attn_implementation("sdpa")
+    cache = FlexiCache(model.config, token_budget=32, page_size=8)
+    ids = random_prompt(10, seed=0).view(1, -1)
+    with pytest.raises(RuntimeError, match="another attn_implementation.*set_attn_implementation\\(\"flexicache\"\\)"):
+        greedy(model, ids, cache, None, 3)
+    # After following the hint, generation works (nothing stale is left behind by the failure).
+    cache = FlexiCache.from_model(model, token_budget=32, page_size=8)
+    assert model.config._attn_implementation == ATTENTION_NAME
+    out = greedy(model, ids, cache, None, 3)
+    assert torch.equal(out, greedy(model, ids, DynamicCache(config=model.config), None, 3))
+
+
+def test_single_layer_model_not_switched_is_caught_at_the_next_step():
+    config = tiny_config(num_layers=1)
+    model = tiny_model(config)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(RuntimeError, match="another attn_implementation"):
+        greedy(model, random_prompt(6, seed=0).view(1, -1), FlexiCache(model.config, token_budget=32, page_size=8),
+               None, 3)
+
+
+def test_flexicache_attention_without_a_flexicache_is_sdpa():
+    config = tiny_config(num_layers=2)
+    model = tiny_model(config)
+    ids = random_prompt(20, seed=1).view(1, -1)
+    model.set_attn_implementation("sdpa")
+    expected = model(ids).logits
+    dense = greedy(model, ids, DynamicCache(config=config), None, 5)
+    model.set_attn_implementation(ATTENTION_NAME)
+    torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=1e-12)  # no cache at all
+    assert torch.equal(greedy(model, ids, DynamicCache(config=config), None, 5), dense)
+
+
+def test_unsupported_attention_kwargs_are_refused():
+    config = tiny_config(group=2, num_kv_heads=2, num_layers=1, head_dim=8)
+    cache = FlexiCache(config, token_budget=32, page_size=8)
+    driver = Driver(config, cache)
+    driver.prefill([10])
+    k = torch.randn(1, 2, 1, 8, dtype=torch.float64)
+    key, value = cache.update(k, k, 0)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        flexicache_attention_forward(FakeAttention(0, 2), torch.randn(1, 4, 1, 8, dtype=torch.float64), key, value,
+                                     None, softcap=30.0)
+
+
+def test_batch_size_change_without_reset_is_refused():
+    config = tiny_config(num_layers=2)
+    model = tiny_model(config)
+    cache = FlexiCache.from_model(model, token_budget=32, page_size=8)
+    greedy(model, random_prompt(6, seed=0).view(1, -1), cache, None, 2)
+    ids = torch.stack([random_prompt(8, seed=1), random_prompt(8, seed=2)])
+    with pytest.raises((ValueError, RuntimeError), match="batch|reset"):
+        greedy(model, ids, cache, None, 2)
+
+
+def test_real_tokens_of_chunk_reads_bool_and_float_masks():
+    bool_mask = torch.tensor([[False, True, True], [True, True, True]]).view(2, 1, 1, 3)
+    assert real_tokens_of_chunk(bool_mask, 0, 3).tolist() == [[False, True, True], [True, True, True]]
+    assert real_tokens_of_chunk(bool_mask, 1, 2) is None
+    float_mask = torch.where(bool_mask, 0.0, torch.finfo(torch.float32).min)
+    assert real_tokens_of_chunk(float_mask, 0, 3).tolist() == [[False, True, True], [True, True, True]]
+    assert real_tokens_of_chunk(None, 0, 3) is None
+    with pytest.raises(ValueError, match="covers"):
+        real_tokens_of_chunk(bool_mask, 2, 3)

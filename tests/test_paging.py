@@ -1,0 +1,120 @@
+"""Paging property tests: nothing is lost, page metadata is exact, device slots hold what they claim.
+
+A FlexiCache is driven layer by layer with random q/k/v (prefill with left padding, decode steps, a multi-token
+extend, more decode steps); a DynamicCache receiving the same keys/values is the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import Driver, check_layer_state, checked, page_minmax, tiny_config
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flexicache import FlexiCache, HeadProfile
+from flexicache.paging import PageMetadata, PagePool, ResidentPages, grow_dim
+from flexicache.sequence import SequenceState
+
+
+@st.composite
+def paging_case(draw):
+    page_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    pages_per_head = draw(st.integers(2, 6))
+    batch = draw(st.integers(1, 3))
+    lengths = [draw(st.integers(1, 40)) for _ in range(batch)]
+    num_kv = draw(st.integers(1, 3))
+    num_layers = 2
+    heads = [(layer, head) for layer in range(num_layers) for head in range(num_kv)]
+    unstable = draw(st.lists(st.sampled_from(heads), unique=True))
+    return {
+        "page_size": page_size, "budget": pages_per_head * page_size, "lengths": lengths, "num_kv": num_kv,
+        "group": draw(st.sampled_from([1, 2, 3])), "unstable": unstable, "rerank_interval": draw(st.integers(1, 8)),
+        "decode1": draw(st.integers(0, 24)), "extend": draw(st.integers(0, 20)), "decode2": draw(st.integers(0, 12)),
+        "extend_holes": draw(st.booleans()), "seed": draw(st.integers(0, 2**31 - 1)),
+        "dtype": draw(st.sampled_from([torch.float32, torch.float64])),
+    }
+
+
+@given(paging_case())
+def test_every_token_reads_back_and_metadata_is_exact(case):
+    config = tiny_config(group=case["group"], num_kv_heads=case["num_kv"], num_layers=2, head_dim=4)
+    profile = HeadProfile(2, case["num_kv"], 4, unstable_heads=case["unstable"])
+    cache = checked(FlexiCache(config, profile=profile, token_budget=case["budget"], page_size=case["page_size"],
+                               rerank_interval=case["rerank_interval"]))
+    driver = Driver(config, cache, dtype=case["dtype"], seed=case["seed"])
+    driver.prefill(case["lengths"])
+    check_layer_state(driver, cache)
+    for _ in range(case["decode1"]):
+        driver.decode()
+    check_layer_state(driver, cache)
+    if case["extend"]:
+        mask = torch.ones(len(case["lengths"]), case["extend"], dtype=torch.long)
+        if case["extend_holes"]:  # arbitrary padding inside the chunk; its last token is real
+            generator = torch.Generator().manual_seed(case["seed"])
+            mask[:, :-1] = (torch.rand(mask.shape[0], case["extend"] - 1, generator=generator) < 0.7).long()
+        driver.chunk(mask)
+        check_layer_state(driver, cache)
+    for _ in range(case["decode2"]):
+        driver.decode()
+        check_layer_state(driver, cache)
+
+
+@pytest.mark.parametrize("page_size,budget,prompt,steps", [(16, 32, 5, 40), (4, 8, 3, 30), (4, 12, 9, 60)])
+def test_sink_page_stays_selected_through_decode(page_size, budget, prompt, steps):
+    """The sink is always in a stable head's set, even with few selection slots and rare reranks."""
+    config = tiny_config(group=1, num_kv_heads=1, num_layers=1, head_dim=4)
+    cache = checked(FlexiCache(config, profile=HeadProfile(1, 1, 4, []), token_budget=budget,
+                               page_size=page_size, rerank_interval=64))
+    driver = Driver(config, cache, seed=1)
+    driver.prefill([prompt])
+    for _ in range(steps):
+        driver.decode()
+        check_layer_state(driver, cache)
+
+
+def test_sequence_plan_left_padding():
+    state = SequenceState(page_size=4)
+    valid = torch.tensor([[False, False, True, True, True], [True, True, True, True, True]])
+    plan = state.plan_chunk(0, valid, 2, 5, torch.device("cpu"))
+    assert plan.after.tolist() == [3, 5] and plan.before.tolist() == [0, 0]
+    assert plan.batch.tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert plan.chunk_pos.tolist() == [2, 3, 4, 0, 1, 2, 3, 4]
+    assert plan.page.tolist() == [0, 0, 0, 0, 0, 0, 0, 1] and plan.offset.tolist() == [0, 1, 2, 0, 1, 2, 3, 0]
+    assert list(zip(plan.new_page_batch.tolist(), plan.new_page_index.tolist())) == [(0, 0), (1, 0), (1, 1)]
+    assert state.plan_chunk(0, valid, 2, 5, torch.device("cpu")) is plan  # the other layers reuse the plan
+    plan = state.plan_chunk(1, None, 2, 1, torch.device("cpu"))
+    assert plan.is_single_token and plan.after.tolist() == [4, 6] and plan.offset.tolist() == [3, 1]
+    assert plan.num_new_pages == 0
+    assert state.logical_valid().tolist() == [[False, False, True, True, True, True], [True] * 6]
+    with pytest.raises(RuntimeError, match="out of step"):
+        state.plan_chunk(5, None, 2, 1, torch.device("cpu"))
+
+
+def test_resident_pages_and_metadata_unit():
+    state = SequenceState(page_size=2)
+    pool = PagePool(2, 3, torch.float64, torch.device("cpu"))
+    other = pool.allocate(3)  # another head class's slots come first: the table must point past them
+    pages = ResidentPages(pool, 1, 2, 2)
+    meta = PageMetadata(1, 2, 3, torch.float64, torch.device("cpu"), capacity=0)
+    keys = torch.arange(2 * 5 * 3, dtype=torch.float64).view(1, 2, 5, 3) * torch.tensor([1.0, -1.0, 1.0])
+    for start, stop in ((0, 3), (3, 4), (4, 5)):
+        plan = state.plan_chunk(state.num_chunks, None, 1, stop - start, torch.device("cpu"))
+        chunk = keys[:, :, start:stop].permute(0, 2, 1, 3)[plan.batch, plan.chunk_pos]
+        pages.append(chunk, chunk * 2, plan)
+        meta.append(chunk, plan)
+    assert other == 0 and pool.used == 3 + 3 * 2 and not pool.k[:3].any()
+    read_k, read_v = pages.read_tokens(3)
+    assert torch.equal(read_k[:, :, :5], keys) and torch.equal(read_v[:, :, :5], 2 * keys)
+    for head in range(2):
+        kmin, kmax = page_minmax(keys[0, head], 2)
+        assert torch.equal(meta.kmin[0, head, :3], kmin) and torch.equal(meta.kmax[0, head, :3], kmax)
+    assert pages.page_slots(torch.tensor([[0, 2, -1], [1, -1, -1]])).tolist()[1][1:] == [-1, -1]
+
+
+def test_grow_dim_keeps_contents_and_fills():
+    tensor = torch.arange(6.0).view(2, 3)
+    grown = grow_dim(tensor, 1, 4, fill=-1.0)  # the capacity policy may reserve more than asked
+    assert grown.shape[0] == 2 and grown.shape[1] >= 4
+    assert torch.equal(grown[:, :3], tensor) and bool((grown[:, 3:] == -1).all())
+    assert grow_dim(tensor, 1, 2) is tensor and grow_dim(tensor, 1, 3) is tensor
