@@ -13,15 +13,17 @@ import pytest
 import torch
 
 from flexicache.benchmarks.cli import add_arguments, settings_from, update_markdown
-from flexicache.benchmarks.decode import measurement_order
+from flexicache.benchmarks.decode import calibration, extrapolate, measurement_order
 from flexicache.benchmarks.measure import summarize
-from flexicache.benchmarks.report import find, render_report, targets
-from flexicache.benchmarks.rerank import rerank_summary
+from flexicache.benchmarks.memory import offload_full_depth
+from flexicache.benchmarks.report import NA, STATUSES, find, render_report, step_full_depth, targets
+from flexicache.benchmarks.rerank import rerank_summary, timed_steps
 from flexicache.benchmarks.suite import PRESETS, System, model_config
 from flexicache.benchmarks.throughput import left_padded, mix_requests
 from flexicache.cli import main
 
 CPU = PRESETS["cpu"]
+GPU_RUN = Path(__file__).resolve().parents[1] / "eval" / "results" / "gpu" / "bench_suite" / "bench.json"
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +80,16 @@ def test_decode_rows_consistent(bench):
     decode = rows(results, "decode")
     config = model_config("tiny-llama", CPU["layers"])
     assert len(decode) == len(CPU["decode_contexts"]) * len(CPU["decode_batches"]) * len(CPU["decode_systems"])
+    loops = {loop["batch"]: loop for loop in results["loop"]}
     for row in decode:
         assert row["step_ms_p99"] >= row["step_ms_p50"] > 0
         assert row["tokens_per_s"] == pytest.approx(1000 * row["batch"] / row["step_ms_p50"])
-        assert row["full_depth"]["tokens_per_s"] == pytest.approx(1000 * row["batch"] / row["full_depth"]["step_ms_p50"])
+        if not loops[row["batch"]]["consistent"]:  # an inconsistent calibration gives no estimate
+            assert row["full_depth"] is None
+        elif row["full_depth"] is not None:
+            full = row["full_depth"]
+            assert full["step_ms_p50"] > 0
+            assert full["tokens_per_s"] == pytest.approx(1000 * row["batch"] / full["step_ms_p50"])
         if row["system"] == "quest-64":  # every head reranks every step, nothing moves
             rows_per_step = row["batch"] * config.num_key_value_heads * config.num_hidden_layers
             assert row["reranks_unstable_per_step"] == rows_per_step
@@ -89,11 +97,15 @@ def test_decode_rows_consistent(bench):
         if row["system"] == "flexicache-64":  # one of 4 heads per layer unstable
             assert row["reranks_unstable_per_step"] == row["batch"] * config.num_hidden_layers
             assert row["host_kv_bytes"] > 0
-    loops = {loop["batch"]: loop for loop in results["loop"]}
     assert set(CPU["decode_batches"]) <= set(loops)
     for loop in loops.values():
-        assert loop["fixed_ms"] >= 0
-        assert loop["full_depth_step_ms"] == pytest.approx(loop["fixed_ms"] + 4 * loop["per_layer_ms"])
+        assert len(loop["samples_ms_1_layer"]) == len(loop["samples_ms"]) == loop["rounds"] >= 3
+        assert loop["step_ms_1_layer"] == pytest.approx(sorted(loop["samples_ms_1_layer"])[loop["rounds"] // 2])
+        if loop["consistent"]:
+            assert loop["per_layer_ms"] > 0 and loop["fixed_ms"] >= 0 and loop["step_ms_1_layer"] < loop["step_ms"]
+            assert loop["full_depth_step_ms"] == pytest.approx(loop["fixed_ms"] + 4 * loop["per_layer_ms"])
+        else:
+            assert loop["inconsistency"] and loop["fixed_ms"] is loop["full_depth_step_ms"] is None
 
 
 def test_rerank_ablation_counts(bench):
@@ -104,13 +116,24 @@ def test_rerank_ablation_counts(bench):
     all_rows = CPU["attention_batch"] * config.num_key_value_heads * config.num_hidden_layers
     unstable_rows = CPU["attention_batch"] * config.num_hidden_layers
     assert summary["no_rerank"]["reranked_rows_per_step"] == 0 and summary["no_rerank"]["rerank_ms"] == 0
+    steps = timed_steps(CPU["layer_steps"], 16)
+    assert steps % 16 == 0 and all(item["timed_steps"] == steps for item in summary.values())
+    # every layer's stable heads rerank once per interval in the window: the mean holds all of them
+    stable_rows = CPU["attention_batch"] * (config.num_key_value_heads - 1) * config.num_hidden_layers
+    assert rows(results, "rerank")[1]["window"]["reranks_stable"] == stable_rows * steps // 16
     assert summary["every_step"]["reranked_rows_per_step"] == summary["quest_like"]["reranked_rows_per_step"] == all_rows
     assert unstable_rows < summary["stability_aware"]["reranked_rows_per_step"] < all_rows
     for name in ("stability_aware", "every_step"):
         assert 0 < summary[name]["promoted_fraction"] <= 1
         assert summary[name]["h2d_bytes_per_step"] > 0
     assert summary["quest_like"]["h2d_bytes_per_step"] == summary["no_rerank"]["h2d_bytes_per_step"] == 0
-    assert "rerank_cost_vs_stability_aware" in summary["every_step"]
+    every, aware = summary["every_step"], summary["stability_aware"]
+    for item in (every, aware):  # rerank time = mean step over the floor's mean, one run
+        assert item["rerank_ms"] == pytest.approx(item["step_ms_mean"] - summary["no_rerank"]["step_ms_mean"])
+    assert summary["quest_like"]["rerank_ms"] is None  # no host tier: not comparable with the floor
+    if aware["rerank_ms"] > 0:
+        assert every["rerank_time_vs_stability_aware"] == pytest.approx(every["rerank_ms"] / aware["rerank_ms"])
+    assert every["rows_vs_stability_aware"] == pytest.approx(all_rows / aware["reranked_rows_per_step"])
 
 
 def test_throughput_capacity_arithmetic(bench):
@@ -146,11 +169,14 @@ def test_targets_and_rerender(bench, tmp_path):
     results, out = bench
     entries = targets(results)
     assert len(entries) == 8
-    assert {entry["status"] for entry in entries} <= {"met", "NOT met", "pending", "reported"}
+    assert {entry["status"] for entry in entries} <= set(STATUSES)
     assert entries[1]["status"] == "pending"  # the dense FlashInfer comparison needs CUDA
     assert all(entry["status"] != "pending" for i, entry in enumerate(entries) if i != 1)
     assert main(["bench", "--report-from", str(out / "bench.json"), "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "report.md").read_text() == (out / "report.md").read_text()
+    stated = ("Report (every derived number, table and plot) rendered from its `bench.json` by: `python -m "
+              f"flexicache.cli bench --report-from {out / 'bench.json'} --out {tmp_path}`\n\n")
+    rendered = (tmp_path / "report.md").read_text()
+    assert stated in rendered and rendered.replace(stated, "") == (out / "report.md").read_text()
     document = tmp_path / "BENCHMARKS.md"
     document.write_text("# B\n<!-- flexicache-bench:start -->\nold\n<!-- flexicache-bench:end -->\ntail\n")
     update_markdown(document, render_report(results, plot_prefix="bench"))
@@ -195,3 +221,63 @@ def test_summarize_and_mix_helpers():
     assert all(10240 <= n <= 30720 and 50 <= out <= 1500 for n, out in requests)
     ids, mask = left_padded([3, 5], 100, torch.device("cpu"), 0)
     assert mask.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]] and ids[0, :2].tolist() == [0, 0]
+
+
+# ------------------------------------------------------------------------------------------- full-depth gating
+
+
+def test_calibration_consistency():
+    good = calibration(6.0, 9.0, 4, 32)  # 5 ms fixed + 1 ms per layer
+    assert good["consistent"] and good["inconsistency"] is None
+    assert (good["per_layer_ms"], good["fixed_ms"], good["full_depth_step_ms"]) == pytest.approx((1.0, 5.0, 37.0))
+    assert extrapolate(good, 13.0, 4, 32) == pytest.approx(5.0 + 8 * 8.0)
+    assert extrapolate(good, 4.0, 4, 32) is None  # below the fixed cost: no estimate
+    for step_1, step_l in ((65.4, 9.83), (5.0, 5.0), (2.0, 9.0)):  # 1 layer slower / equal; negative fixed cost
+        bad = calibration(step_1, step_l, 4, 32)
+        assert not bad["consistent"] and bad["inconsistency"]
+        assert bad["per_layer_ms"] is bad["fixed_ms"] is bad["full_depth_step_ms"] is None
+        assert extrapolate(bad, 11.2, 4, 32) is None
+
+
+def test_inconsistent_loop_of_an_older_run_gives_no_estimate():
+    """A ``bench.json`` written before the gating (clamped fixed cost, negative full-depth numbers) renders n/a."""
+    loop = {"model": "llama-3.1-8b", "batch": 8, "context": 1024, "step_ms_1_layer": 65.4, "step_ms": 9.83,
+            "layers": 4, "per_layer_ms": -18.52, "fixed_ms": 65.4, "full_depth_step_ms": -527.3}
+    row = {"model": "llama-3.1-8b", "batch": 8, "layers": 4, "step_ms_p50": 11.2,
+           "full_depth": {"step_ms_p50": -368.2, "tokens_per_s": -22.0}}
+    assert step_full_depth({"loop": [loop]}, row, 8) == (None, NA)
+    assert step_full_depth({"loop": [dict(loop, step_ms_1_layer=6.0)]}, row, 8)[0]["step_ms_p50"] > 0
+    assert step_full_depth({"loop": []}, row, 8) == (None, "-")
+
+
+def test_offload_full_depth_keeps_one_layer_on_device():
+    row = {"system": "dynamic-offload", "layers": 4, "device_kv_bytes": 100, "device_metadata_bytes": 0,
+           "device_reserved_bytes": 100, "dense_kv_bytes": 400, "cache_allocated_bytes": 100,
+           "full_depth": {"layers": 32, "device_bytes": 800, "device_kv_bytes": 800, "device_reserved_bytes": 800,
+                          "host_reserved_bytes": 2400, "peak_bytes": 10_000}}
+    full = offload_full_depth(row)
+    assert (full["device_bytes"], full["host_reserved_bytes"], full["device_resident_layers"]) == (100, 3100, 1)
+    assert full["peak_bytes"] == 10_000 - 7 * 100
+    assert offload_full_depth(dict(row, full_depth=full)) == full  # idempotent
+
+
+@pytest.mark.skipif(not GPU_RUN.exists(), reason="no GPU bench.json in this checkout")
+def test_report_of_the_gpu_run_has_no_broken_numbers():
+    """The H200 run's loop calibration is inconsistent (1 layer slower than 4): nothing extrapolated from it, no
+    negative number, and the rerank row-count ratio is not passed off as the paper's time ratio."""
+    import re
+
+    results = json.loads(GPU_RUN.read_text())
+    report = render_report(results)
+    assert NA in report
+    assert not re.search(r"\| -\d", report) and "-0." not in report and " -3" not in report
+    entries = {entry["target"].split(" (")[0]: entry for entry in targets(results)}
+    assert {entry["status"] for entry in entries.values()} <= set(STATUSES)
+    rerank = entries["rerank time, every head every step / stability-aware"]
+    assert rerank["status"] == "not measured" and "3.37x (rows, not time)" in rerank["value"]
+    assert "238.72x, is not a rerank-time ratio" in report
+    loop = entries["fixed cost of the transformers loop"]
+    assert loop["status"] == "not measured" and "calibration inconsistent" in loop["value"]
+    tokens = entries["tokens/s at the largest batch >= 2x DynamicCache's at its largest"]
+    assert tokens["status"] == "NOT met" and "1.45x measured on 4 layers" in tokens["value"]
+    assert "13 = floor(106.99 GiB host limit / 8.00 GiB" in report

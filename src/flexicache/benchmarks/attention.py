@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -63,10 +64,11 @@ def random_profile(shape: Shape, fraction: float, seed: int = 0) -> HeadProfile:
 
 
 def time_steps(step: Callable[[int], None], first: int, steps: int, device: torch.device) -> dict[str, float]:
-    """Median and p99 step ms and median host-issue ms of ``step(first)`` ... ``step(first + steps - 1)``.
+    """Median, mean and p99 step ms and median host-issue ms of ``step(first)`` ... ``step(first + steps - 1)``.
 
     On CUDA the step time comes from CUDA events around each call and the host-issue time is the wall time of the
-    call itself; on the CPU both are the wall time.
+    call itself; on the CPU both are the wall time. p99 is the nearest rank (as in the model-level cases: the
+    slowest step when fewer than 100 are timed); the mean spreads periodic work (reranks) over the steps.
     """
     cuda = device.type == "cuda"
     synchronize(device)
@@ -83,8 +85,10 @@ def time_steps(step: Callable[[int], None], first: int, steps: int, device: torc
         synchronize(device)
         step_ms.append(start.elapsed_time(end) if cuda else host_ms[-1])
     step_ms.sort()
-    return {"step_ms_p50": statistics.median(step_ms), "step_ms_p99": step_ms[int(0.99 * (len(step_ms) - 1))],
-            "host_issue_ms_p50": statistics.median(host_ms)}
+    return {"step_ms_p50": statistics.median(step_ms), "step_ms_mean": statistics.fmean(step_ms),
+            "step_ms_p99": step_ms[max(0, math.ceil(0.99 * len(step_ms)) - 1)], "p99_rule": "nearest-rank",
+            "timed_steps": len(step_ms), "host_issue_ms_p50": statistics.median(host_ms),
+            "host_issue_ms_mean": statistics.fmean(host_ms)}
 
 
 def synchronize(device: torch.device) -> None:
@@ -205,7 +209,8 @@ def run_attention_benchmark(batch: int, context: int, budget: int, shape: Shape,
                for _ in range(8)]
     results = {"batch": batch, "context": context, "budget": budget, "layers": shape.num_layers,
                "kv_heads": shape.num_kv_heads, "group": shape.group, "head_dim": shape.head_dim,
-               "unstable_fraction": unstable_fraction, "steps": steps, "gpu": torch.cuda.get_device_name()}
+               "unstable_fraction": unstable_fraction, "steps": steps, "warmup": warmup, "queries": len(queries),
+               "gpu": torch.cuda.get_device_name()}
     results["dense_flashinfer"] = bench_dense_flashinfer(shape, prompt, queries, 16, steps, warmup)
     results["flexicache"] = bench_flexicache(shape, prompt, new_tokens, queries,
                                              random_profile(shape, unstable_fraction, seed), budget, steps, warmup)

@@ -134,15 +134,17 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from flexicache.benchmarks.plots import write_plots
-    from flexicache.benchmarks.report import render_report
+    from flexicache.benchmarks.report import render_report, rerender_command
     from flexicache.benchmarks.suite import run_suite
 
     out = Path(args.out)
+    rendered_by = None
     if args.report_from:
         results = json.loads(Path(args.report_from).read_text(encoding="utf-8"))
+        rendered_by = rerender_command(args.report_from, args.out, args.update_benchmarks)
         out.mkdir(parents=True, exist_ok=True)
         results["plots"] = write_plots(results, out)
-        (out / "report.md").write_text(render_report(results), encoding="utf-8")
+        (out / "report.md").write_text(render_report(results, rendered_by=rendered_by), encoding="utf-8")
     else:
         settings = settings_from(args)
         if settings.device == "cpu":  # tiny tensors: intra-op threads only add hand-off latency
@@ -152,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     if args.update_benchmarks:
         target = Path(args.update_benchmarks)
         prefix = os.path.relpath(out.resolve(), target.resolve().parent)
-        update_markdown(target, render_report(results, plot_prefix=prefix))
+        update_markdown(target, render_report(results, plot_prefix=prefix, rendered_by=rendered_by))
     print(f"flexicache bench: wrote {out / 'report.md'} and plots {results.get('plots')}")
     return 0
 

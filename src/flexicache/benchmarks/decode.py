@@ -9,10 +9,17 @@ busy time (kernels + copies), so that host-bound steps show as ``step time >> de
 The model has ``--layers`` decoder layers. Its loop cost is calibrated per batch size with DynamicCache at
 ``--loop-context`` on 1 and ``--layers`` layers: ``fixed`` (embedding, lm_head, sampling, generate's bookkeeping)
 and a per-layer cost. A full-depth step is estimated as ``fixed + full_layers / layers * (step - fixed)``.
+
+Calibration: each depth first runs one untimed generate (the first runs after a model is built carry one-off
+costs), then ``LOOP_ROUNDS`` timed runs per depth, interleaved in alternating order (drift hits both depths
+alike), each with the same ``--warmup`` steps; the step time of a depth is the median of its runs' p50s. A
+calibration that does not fit ``step = fixed + layers * per_layer`` with ``per_layer > 0`` and ``fixed >= 0`` is
+recorded as inconsistent and yields no full-depth estimate (``None``; the report says "n/a").
 """
 
 from __future__ import annotations
 
+import statistics
 from functools import partial
 from typing import Any
 
@@ -65,23 +72,62 @@ def decode_run(suite: Suite, model: Any, system: System, batch: int, context: in
     return row
 
 
+LOOP_ROUNDS = 3  # timed runs per depth in a loop calibration
+
+
+def calibration(step_1: float, step_l: float, layers: int, full: int) -> dict[str, Any]:
+    """Fixed and per-layer loop cost from the step times on 1 and ``layers`` layers, and the ``full``-layer step.
+
+    ``consistent`` is False, with the reason in ``inconsistency``, when the two times do not fit
+    ``step = fixed + n * per_layer`` with ``per_layer > 0`` and ``fixed >= 0``; ``per_layer_ms``, ``fixed_ms``
+    and ``full_depth_step_ms`` are then ``None``: an inconsistent calibration gives no estimate.
+    """
+    per_layer = (step_l - step_1) / (layers - 1)
+    fixed = step_1 - per_layer
+    if per_layer <= 0:
+        reason = f"1 layer {step_1:.2f} ms >= {layers} layers {step_l:.2f} ms (per-layer cost <= 0)"
+    elif fixed < 0:
+        reason = f"{layers} layers {step_l:.2f} ms > {layers} x 1 layer {step_1:.2f} ms (fixed cost < 0)"
+    else:
+        reason = None
+    consistent = reason is None
+    return {"per_layer_ms": per_layer if consistent else None, "fixed_ms": fixed if consistent else None,
+            "full_depth_step_ms": fixed + full * per_layer if consistent else None, "consistent": consistent,
+            "inconsistency": reason}
+
+
+def extrapolate(loop: dict[str, Any] | None, step_ms: float, layers: int, full: int) -> float | None:
+    """Full-depth step time from a ``layers``-layer step time; ``None`` without a consistent calibration or when
+    the step is shorter than the calibration's fixed cost (its per-layer part would be negative)."""
+    if loop is None or not loop.get("consistent") or loop.get("fixed_ms") is None or step_ms < loop["fixed_ms"]:
+        return None
+    fixed = loop["fixed_ms"]
+    return fixed + full / layers * (step_ms - fixed)
+
+
 def loop_cost(suite: Suite, model_name: str, batch: int) -> dict[str, Any] | None:
     """The transformers loop's fixed and per-layer cost at ``batch`` (DynamicCache at ``--loop-context``), memoised;
-    ``None`` when the model has a single layer."""
+    ``None`` when the model has a single layer. See the module docstring for the procedure."""
     s = suite.settings
     if s.layers < 2:
         return None
 
     def compute() -> dict[str, Any]:
-        step = {}
-        for layers in (1, s.layers):
-            model = suite.model(model_name, layers)
-            step[layers] = decode_run(suite, model, System("dynamic"), batch, s.loop_context, s.steps)["step_ms_p50"]
-        per_layer = (step[s.layers] - step[1]) / (s.layers - 1)
-        fixed = min(max(step[1] - per_layer, 0.0), step[1])
+        dynamic = System("dynamic")
+        depths = (1, s.layers)
+        models = {layers: suite.model(model_name, layers) for layers in depths}
+        for layers in depths:  # untimed: the first generate after a model is built (allocator, kernels, set-up)
+            decode_run(suite, models[layers], dynamic, batch, s.loop_context, 1)
+        samples: dict[int, list[float]] = {layers: [] for layers in depths}
+        for index in range(LOOP_ROUNDS):
+            for layers in (depths if index % 2 == 0 else depths[::-1]):
+                run = decode_run(suite, models[layers], dynamic, batch, s.loop_context, s.steps)
+                samples[layers].append(run["step_ms_p50"])
+        step = {layers: statistics.median(samples[layers]) for layers in depths}
         entry = {"model": model_name, "batch": batch, "context": s.loop_context, "step_ms_1_layer": step[1],
-                 "step_ms": step[s.layers], "layers": s.layers, "per_layer_ms": per_layer, "fixed_ms": fixed,
-                 "full_depth_step_ms": fixed + full_layers(model_name) * per_layer}
+                 "step_ms": step[s.layers], "layers": s.layers, "full_layers": full_layers(model_name),
+                 "rounds": LOOP_ROUNDS, "samples_ms_1_layer": samples[1], "samples_ms": samples[s.layers],
+                 **calibration(step[1], step[s.layers], s.layers, full_layers(model_name))}
         suite.results.setdefault("loop", []).append(entry)
         print(f"[{suite.elapsed():7.1f}s] loop cost {entry}", flush=True)
         return entry
@@ -90,16 +136,14 @@ def loop_cost(suite: Suite, model_name: str, batch: int) -> dict[str, Any] | Non
 
 
 def full_depth_ms(suite: Suite, model_name: str, batch: int, step_ms: float) -> float | None:
-    """Estimated step time of the full-depth model from a step time of the ``--layers`` model."""
-    loop = loop_cost(suite, model_name, batch)
-    if loop is None:
-        return None
-    fixed = loop["fixed_ms"]
-    return fixed + full_layers(model_name) / suite.settings.layers * (step_ms - fixed)
+    """Estimated step time of the full-depth model from a step time of the ``--layers`` model (``None``: no
+    consistent calibration)."""
+    return extrapolate(loop_cost(suite, model_name, batch), step_ms, suite.settings.layers, full_layers(model_name))
 
 
 def with_full_depth(suite: Suite, model_name: str, batch: int, row: dict[str, Any]) -> dict[str, Any]:
-    """``row`` plus ``full_depth``: the estimated full-depth step time and tokens/s."""
+    """``row`` plus ``full_depth``: the estimated full-depth step time and tokens/s (``None`` without a consistent
+    loop calibration at ``batch``)."""
     step = full_depth_ms(suite, model_name, batch, row["step_ms_p50"])
     row["full_depth"] = None if step is None else {"step_ms_p50": step, "tokens_per_s": 1000 * batch / step}
     return row
@@ -127,9 +171,11 @@ def run(suite: Suite, model_name: str, result: CaseResult) -> None:
     if not result.notes:
         result.notes.append(
             f"{s.layers}-layer random-weight models; `full_depth` = estimate for {full_layers(model_name)} layers "
-            f"from the loop calibration (DynamicCache at {s.loop_context} tokens on 1 and {s.layers} layers). Step "
-            f"times are wall times of generate steps (device synchronised), p50/p99 over {s.steps} steps after "
-            f"{s.warmup} warm-up steps; `warmup_max_ms` is the slowest warm-up step (host-tier growth shows there).")
+            f"from the loop calibration (DynamicCache at {s.loop_context} tokens on 1 and {s.layers} layers; none "
+            f"when the calibration is inconsistent). Step times are wall times of generate steps (device "
+            f"synchronised), p50/p99 over {s.steps} steps after {s.warmup} warm-up steps (p99 = nearest rank"
+            f"{': the slowest step' if s.steps < 100 else ''}); `warmup_max_ms` is the slowest warm-up step "
+            "(host-tier growth shows there).")
     model = suite.model(model_name)
     for context, batch in measurement_order(s.decode_contexts, s.decode_batches, s.attention_context,
                                             s.attention_batch, s.loop_context):

@@ -5,6 +5,8 @@ Each measurement runs a real ``generate``: the prefill of a random prompt of ``c
 (``FlexiCache.stats()`` names); on CUDA the allocator's peak during generate is recorded too. ``full_depth``
 scales everything per layer to the full model: KV bytes exactly, the peak as
 ``weights(full) + peak over the weights + (full_layers / layers - 1) * cache bytes left allocated`` (an estimate).
+``DynamicCache(offloading=True)`` is the exception: it keeps one (prefetched) layer on the device at any depth, so
+its device bytes are not scaled and the other layers' KV is on the host (``offload_full_depth``).
 """
 
 from __future__ import annotations
@@ -42,9 +44,28 @@ def measure(suite: Suite, model: Any, system: System, context: int, full: int) -
     if base is not None:  # CUDA: the allocator's view (``base`` holds the weights and nothing of this cache)
         left = allocated(suite.device) - base
         row.update(cache_allocated_bytes=left, peak_bytes=peak(suite.device), peak_over_base_bytes=peak(suite.device)
-                   - base)
-        row["full_depth"]["peak_bytes"] = weight_bytes(model, full)[1] + row["peak_over_base_bytes"] + (scale - 1) * left
+                   - base, weights_full_bytes=weight_bytes(model, full)[1])
+        row["full_depth"]["peak_bytes"] = row["weights_full_bytes"] + row["peak_over_base_bytes"] + (scale - 1) * left
+    if system.kind == "dynamic-offload":
+        row["full_depth"] = offload_full_depth(row)
     return row
+
+
+def offload_full_depth(row: dict[str, Any]) -> dict[str, Any]:
+    """Full-depth bytes of a ``DynamicCache(offloading=True)`` row: the device keeps what it kept on ``layers``
+    layers (one prefetched layer), the host holds the rest of the full-depth KV; the peak does not grow with depth.
+    Works on rows of any ``bench.json`` (the per-layer scaling of older runs is undone)."""
+    full = dict(row["full_depth"])
+    scale = full["layers"] / row["layers"]
+    device = row["device_kv_bytes"] + row["device_metadata_bytes"]
+    full.update(device_kv_bytes=row["device_kv_bytes"], device_bytes=device,
+                device_reserved_bytes=row["device_reserved_bytes"],
+                host_reserved_bytes=row["dense_kv_bytes"] * scale - row["device_kv_bytes"],
+                device_resident_layers=round(row["layers"] * row["device_kv_bytes"] / row["dense_kv_bytes"]),
+                offloading=True)
+    if "cache_allocated_bytes" in row and "peak_bytes" in full and not row["full_depth"].get("offloading"):
+        full["peak_bytes"] = full["peak_bytes"] - (scale - 1) * row["cache_allocated_bytes"]
+    return full
 
 
 def run(suite: Suite, model_name: str, result: CaseResult) -> None:

@@ -240,7 +240,8 @@ def environment(settings: Settings) -> dict[str, Any]:
     }
     if settings.torch_device.type == "cuda":
         properties = torch.cuda.get_device_properties(settings.torch_device)
-        env.update(gpu=properties.name, gpu_memory_bytes=properties.total_memory, cuda=torch.version.cuda)
+        env.update(gpu=properties.name, gpu_memory_bytes=properties.total_memory, cuda=torch.version.cuda,
+                   gpu_count=torch.cuda.device_count())
     return env
 
 

@@ -68,7 +68,9 @@ def largest_batch(suite: Suite, model_name: str, system: System) -> dict[str, An
             "batch_by_host": by_host, "device_bytes_per_sequence_full": per_sequence,
             "host_bytes_per_sequence_full": per_layer_host * full, "weights_full_bytes": weights_full,
             "device_limit_bytes": device_limit, "host_limit_bytes": host_limit, "probe_batch": probe_batch,
-            "probe_allocated_bytes": probe.get("cache_allocated_bytes")}
+            "probe_allocated_bytes": probe.get("cache_allocated_bytes"),
+            "probe_host_reserved_bytes": probe["host_reserved_bytes"], "probe_host_kv_bytes": probe["host_kv_bytes"],
+            "probe_pinned_host_bytes": probe.get("pinned_host_bytes")}
 
 
 def measure_throughput(suite: Suite, model_name: str, system: System) -> dict[str, Any]:
@@ -90,7 +92,8 @@ def run(suite: Suite, model_name: str, result: CaseResult) -> None:
         result.notes.append(
             f"Largest batch at {s.throughput_context} tokens for the full-depth model ({full_layers(model_name)} "
             f"layers), estimated from bytes measured at batch {s.probe_batch} on {s.layers} layers; tokens/s "
-            f"measured at that batch on {s.layers} layers, `full_depth` extrapolated. Limits: device "
+            f"measured at that batch on {s.layers} layers, `full_depth` extrapolated (none when the loop calibration "
+            f"at that batch is inconsistent). Limits: device "
             f"{size(memory_limits(suite)[0])} minus {size(s.reserve_gib * GIB)} reserve, host "
             f"{size(memory_limits(suite)[1])}.")
     for system in systems(s.throughput_systems):
@@ -128,6 +131,7 @@ def measure_mix(suite: Suite, model_name: str, system: System, requests: list[tu
     ordered = sorted(requests)
     prefill_ms = decode_ms = prefill_full_ms = decode_full_ms = 0.0
     steps_total = steps_measured = 0
+    loop_batches = []
     for start in range(0, len(ordered), s.mix_batch):
         batch = ordered[start:start + s.mix_batch]
         lengths, steps = [n for n, _ in batch], max(out for _, out in batch)
@@ -143,6 +147,7 @@ def measure_mix(suite: Suite, model_name: str, system: System, requests: list[tu
         decode_ms += batch_decode
         prefill_full_ms += step_ms[0] * scale
         full_step = full_depth_ms(suite, model_name, len(batch), median)
+        loop_batches.append(len(batch))
         decode_full_ms += math.nan if full_step is None else (steps - 1) * full_step
         steps_total += steps - 1
         steps_measured += run_steps - 1
@@ -151,7 +156,8 @@ def measure_mix(suite: Suite, model_name: str, system: System, requests: list[tu
     outputs = sum(out for _, out in requests)
     row = {"layers": s.layers, "requests": len(requests), "batch": s.mix_batch, "prefill_s": prefill_ms / 1000,
            "decode_s": decode_ms / 1000, "decode_steps": steps_total, "decode_steps_measured": steps_measured,
-           "total_s": total_s, "requests_per_s": len(requests) / total_s, "output_tokens_per_s": outputs / total_s}
+           "total_s": total_s, "requests_per_s": len(requests) / total_s, "output_tokens_per_s": outputs / total_s,
+           "loop_batches": sorted(set(loop_batches))}
     if not math.isnan(full_s):
         row["full_depth"] = {"total_s": full_s, "requests_per_s": len(requests) / full_s,
                              "output_tokens_per_s": outputs / full_s}
@@ -167,7 +173,7 @@ def run_mix(suite: Suite, model_name: str, result: CaseResult) -> None:
             f"{s.mix_output[0]}-{s.mix_output[1]} (log-uniform), static batches of {s.mix_batch} sorted by input, "
             f"real prefill; at most {s.mix_max_steps} decode steps per batch measured, the rest counted at the "
             f"batch's median step. `full_depth`: prefill x {full_layers(model_name)}/{s.layers}, steps "
-            f"extrapolated with the loop calibration. Lengths: {requests}")
+            f"extrapolated with the loop calibration (none when it is inconsistent). Lengths: {requests}")
     for system in systems(s.mix_systems):
         label = {"model": model_name, "system": system.name}
         suite.attempt(result, label, partial(measure_mix, suite, model_name, system, requests))
