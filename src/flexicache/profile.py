@@ -10,10 +10,12 @@ from typing import Any
 
 import torch
 
+from flexicache.profiles import PROFILES_DIR, shipped_profile_path
+
 PROFILE_FORMAT_VERSION = 1
 DEFAULT_UNSTABLE_LAYERS = 2
 PROFILE_FILENAME = "flexicache_profile.json"
-SHIPPED_PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+SHIPPED_PROFILES_DIR = Path(PROFILES_DIR)
 
 
 def shipped_profiles() -> list[str]:
@@ -149,8 +151,8 @@ class HeadProfile:
             if not candidate.is_file():
                 raise FileNotFoundError(f"No {filename!r} in folder {str(path)!r}; pass filename= to pick the file.")
             return cls.load(candidate)
-        shipped = SHIPPED_PROFILES_DIR / f"{path_or_repo_id}.json"
-        if shipped.is_file():
+        shipped = shipped_profile_path(str(path_or_repo_id))
+        if shipped is not None:
             return cls.load(shipped)
         from huggingface_hub import hf_hub_download
 

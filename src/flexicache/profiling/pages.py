@@ -1,0 +1,55 @@
+"""Per-page element-wise key min / max (the metadata the Quest score needs), in one shot or kept up to date."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise key min / max of every page: ``keys [..., T, D]`` -> ``(kmin, kmax)`` each ``[..., P, D]``."""
+    length, dim = keys.shape[-2:]
+    num_pages = math.ceil(length / page_size)
+    pad = num_pages * page_size - length
+    shape = (*keys.shape[:-2], num_pages, page_size, dim)
+    low = torch.nn.functional.pad(keys, (0, 0, 0, pad), value=float("inf")).reshape(shape)
+    high = torch.nn.functional.pad(keys, (0, 0, 0, pad), value=float("-inf")).reshape(shape)
+    return low.amin(dim=-2), high.amax(dim=-2)
+
+
+class PageBounds:
+    """Per-page key min / max ``[..., P, D]`` (any leading dims, e.g. ``[L, B, H]``), kept up to date on append."""
+
+    def __init__(self, keys: torch.Tensor, page_size: int, capacity_tokens: int = 0) -> None:
+        """Start from the keys ``[..., T, D]`` already cached; room for ``capacity_tokens`` before regrowing."""
+        capacity = math.ceil(max(capacity_tokens, keys.shape[-2], 1) / page_size)
+        low, high = page_bounds(keys, page_size)
+        self.page_size = page_size
+        self.num_tokens = keys.shape[-2]
+        self.kmin = keys.new_empty(*keys.shape[:-2], capacity, keys.shape[-1])
+        self.kmax = torch.empty_like(self.kmin)
+        self.kmin[..., : low.shape[-2], :] = low
+        self.kmax[..., : high.shape[-2], :] = high
+
+    @property
+    def num_pages(self) -> int:
+        return math.ceil(self.num_tokens / self.page_size)
+
+    def append(self, key: torch.Tensor) -> None:
+        """Add one token's keys ``[..., D]``: open a new page or widen the tail page's bounds."""
+        page = self.num_tokens // self.page_size
+        if page == self.kmin.shape[-2]:
+            self.kmin = torch.cat([self.kmin, torch.empty_like(self.kmin)], dim=-2)
+            self.kmax = torch.cat([self.kmax, torch.empty_like(self.kmax)], dim=-2)
+        if self.num_tokens % self.page_size == 0:
+            self.kmin[..., page, :] = key
+            self.kmax[..., page, :] = key
+        else:
+            self.kmin[..., page, :] = torch.minimum(self.kmin[..., page, :], key)
+            self.kmax[..., page, :] = torch.maximum(self.kmax[..., page, :], key)
+        self.num_tokens += 1
+
+    def bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kmin, kmax)``, each ``[..., num_pages, D]`` (views)."""
+        return self.kmin[..., : self.num_pages, :], self.kmax[..., : self.num_pages, :]

@@ -1,0 +1,132 @@
+"""Random-corrected overlap (RCO) of top-K page sets and the stable / unstable head classification.
+
+A page set is a ``[..., K]`` integer tensor of distinct page indices with ``-1`` padding (the layout of
+:func:`flexicache.selection.select_pages`). For sets ``S_t`` and ``S_t+d`` over ``N`` candidate pages::
+
+    RCO = (|S_t ∩ S_t+d| / K - K / N) / (1 - K / N)
+
+It is 1 for identical sets and 0 in expectation for independent uniformly random sets. ``N`` is the page count at
+the later step (the expected overlap of a random ``K``-subset of ``N`` pages with any ``K``-set is ``K^2 / N``);
+pairs whose earlier step has ``N <= K`` pages are undefined (every page is selected) and skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def overlap_counts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``|a ∩ b|`` of page sets ``a``, ``b`` ``[..., K]`` (distinct entries, ``-1`` padding) -> ``[...]`` int64."""
+    equal = (a.unsqueeze(-1) == b.unsqueeze(-2)) & (a.unsqueeze(-1) >= 0)
+    return equal.sum(dim=(-2, -1))
+
+
+def random_corrected_overlap(
+    a: torch.Tensor, b: torch.Tensor, k: int, num_pages: torch.Tensor | int
+) -> torch.Tensor:
+    """RCO of page sets ``a``, ``b`` ``[..., K]`` with ``num_pages`` (broadcastable to ``[...]``) candidates.
+
+    Returns float64 ``[...]``; ``nan`` where ``num_pages <= k``.
+    """
+    n = torch.as_tensor(num_pages, dtype=torch.float64, device=a.device)
+    chance = k / n
+    rco = (overlap_counts(a, b).to(torch.float64) / k - chance) / (1.0 - chance)
+    return torch.where(n > k, rco, torch.full_like(rco, float("nan")))
+
+
+def rco_by_distance(
+    pages: torch.Tensor, num_pages: torch.Tensor, k: int, max_distance: int = 16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean RCO between the sets of steps ``t`` and ``t + d`` for ``d = 1 .. max_distance``.
+
+    Args:
+        pages: ``[S, *heads, K]`` page sets of ``S`` consecutive decode steps.
+        num_pages: ``[S]`` candidate pages at each step.
+
+    Returns:
+        ``(curve [max_distance, *heads], pairs [max_distance])``: mean RCO over the valid step pairs (``nan`` where
+        there is none) and the number of valid pairs at each distance.
+    """
+    steps = pages.shape[0]
+    head_shape = pages.shape[1:-1]
+    curve = torch.full((max_distance, *head_shape), float("nan"), dtype=torch.float64)
+    pairs = torch.zeros(max_distance, dtype=torch.long)
+    num_pages = num_pages.to(torch.long)
+    for d in range(1, min(max_distance, steps - 1) + 1):
+        valid = num_pages[:-d] > k
+        count = int(valid.sum())
+        if count == 0:
+            continue
+        later_n = num_pages[d:][valid].view(-1, *([1] * len(head_shape)))
+        rco = random_corrected_overlap(pages[:-d][valid], pages[d:][valid], k, later_n)
+        curve[d - 1] = rco.mean(dim=0)
+        pairs[d - 1] = count
+    return curve, pairs
+
+
+def stability_score(curve: torch.Tensor) -> torch.Tensor:
+    """Stability score ``[*heads]`` from an RCO curve ``[D, *heads]``: the mean over distances with data."""
+    if torch.isnan(curve).all(dim=0).any():
+        raise ValueError(
+            "No decode step had more pages than the token budget selects (N <= K everywhere): use longer prompts "
+            "or a smaller --budget."
+        )
+    return curve.nanmean(dim=0)
+
+
+def lowest_count(total: int, fraction: float) -> int:
+    """``round(fraction * total)`` with halves rounded up, clamped to ``[0, total]``."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+    return min(total, int(fraction * total + 0.5))
+
+
+def bottom_quantile_mask(sample_scores: torch.Tensor, quantile: float = 0.25) -> torch.Tensor:
+    """Per sample, the ``quantile`` of heads with the lowest score: ``[N, L, H]`` scores -> ``[N, L, H]`` bool.
+
+    Equal scores are ordered by head position (layer-major) so the result is deterministic.
+    """
+    num_samples = sample_scores.shape[0]
+    flat = sample_scores.reshape(num_samples, -1)
+    count = lowest_count(flat.shape[1], quantile)
+    order = flat.argsort(dim=1, stable=True)[:, :count]
+    mask = torch.zeros_like(flat, dtype=torch.bool)
+    mask.scatter_(1, order, True)
+    return mask.view_as(sample_scores)
+
+
+@dataclass
+class Classification:
+    """Unstable heads and the statistics they were chosen by."""
+
+    scores: torch.Tensor  # [L, H] mean stability score over samples
+    bottom_counts: torch.Tensor  # [L, H] samples in which the head was in the bottom quantile
+    unstable: list[tuple[int, int]]  # (layer, head), most unstable first
+
+    def unstable_mask(self) -> torch.Tensor:
+        """``[L, H]`` bool, True for unstable heads."""
+        mask = torch.zeros(self.scores.shape, dtype=torch.bool)
+        for layer, head in self.unstable:
+            mask[layer, head] = True
+        return mask
+
+
+def classify_heads(sample_scores: torch.Tensor, fraction: float = 0.25, quantile: float = 0.25) -> Classification:
+    """The ``fraction`` of heads most often in a sample's bottom ``quantile``; ties go to the lower mean score.
+
+    Args:
+        sample_scores: ``[N, L, H]`` stability score of every head in each of ``N`` samples.
+    """
+    if sample_scores.ndim != 3 or sample_scores.shape[0] == 0:
+        raise ValueError(f"sample_scores must be [N >= 1, L, H], got {tuple(sample_scores.shape)}")
+    scores = sample_scores.mean(dim=0)
+    counts = bottom_quantile_mask(sample_scores, quantile).sum(dim=0)
+    num_heads = scores.shape[1]
+    flat_counts, flat_scores = counts.flatten(), scores.flatten()
+    by_score = flat_scores.argsort(stable=True)
+    order = by_score[(-flat_counts[by_score]).argsort(stable=True)]  # count descending, then score ascending
+    chosen = order[: lowest_count(flat_scores.numel(), fraction)].tolist()
+    unstable = [(index // num_heads, index % num_heads) for index in chosen]
+    return Classification(scores=scores, bottom_counts=counts, unstable=unstable)
