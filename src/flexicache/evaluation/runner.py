@@ -1,0 +1,254 @@
+"""Runs tasks under several caches, stores predictions (resumable) and summarises them against dense.
+
+Layout of a results folder::
+
+    predictions/<task>/<method>.jsonl   one record per sample, appended as soon as it is done
+    metrics.json                        per task: scores, ratio to dense, fidelity, LongBench-E buckets, stats
+    table.md                            the printed table
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import metrics
+from .generation import greedy_generate, newline_token, stop_tokens
+from .perplexity import decode_nll, perplexity
+from .tasks import Sample, Task
+
+REFERENCE = "dense"
+
+
+@dataclass
+class Method:
+    """A named way to make a fresh cache for one sample (``dense``: a DynamicCache)."""
+
+    name: str
+    make_cache: Callable[[], Any]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "tolist"):  # tensors and numpy values
+        return value.tolist()
+    return value
+
+
+def cache_stats(cache: Any) -> dict[str, Any]:
+    """``cache.stats()`` when the cache has it (FlexiCache), as plain JSON values; else {}."""
+    stats = getattr(cache, "stats", None)
+    return _jsonable(stats()) if callable(stats) else {}
+
+
+class PredictionStore:
+    """Append-only JSONL prediction files, one per (task, method)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root) / "predictions"
+
+    def path(self, task: str, method: str) -> Path:
+        return self.root / task / f"{method}.jsonl"
+
+    def load(self, task: str, method: str) -> dict[str, dict[str, Any]]:
+        """Records by sample id (a truncated last line from an interrupted run is ignored)."""
+        path = self.path(task, method)
+        records: dict[str, dict[str, Any]] = {}
+        if path.exists():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                records[record["_id"]] = record
+        return records
+
+    def append(self, task: str, method: str, record: Mapping[str, Any]) -> None:
+        path = self.path(task, method)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def run_sample(model: Any, tokenizer: Any, task: Task, sample: Sample, method: Method, decode_tail: int,
+               stop_ids: set[int], newline: int) -> dict[str, Any]:
+    """Run one sample under one method; returns its prediction record."""
+    cache = method.make_cache()
+    start = time.perf_counter()
+    record: dict[str, Any] = {"_id": sample.id, "prompt_tokens": len(sample.input_ids)}
+    if task.kind == "perplexity":
+        nll, count = decode_nll(model, sample.input_ids, cache, sample.prefill)
+        record.update(nll=nll, scored_tokens=count, ppl=perplexity(nll, count))
+    else:
+        stops = stop_ids | {newline} if sample.stop_at_newline else stop_ids
+        tokens = greedy_generate(model, sample.input_ids, cache, sample.max_new_tokens, stops,
+                                 min_new_tokens=1 if sample.stop_at_newline else 0, decode_tail=decode_tail)
+        record.update(pred=tokenizer.decode(tokens, skip_special_tokens=True), tokens=tokens,
+                      answers=sample.answers, **{k: v for k, v in sample.meta.items() if k in ("length",)})
+    record["seconds"] = round(time.perf_counter() - start, 3)
+    record["stats"] = cache_stats(cache)
+    return record
+
+
+def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[Task], methods: Sequence[Method], out_dir: str | Path,
+              decode_tail: int = 0, progress: bool = True) -> dict[str, Any]:
+    """Predict every (task, sample, method) not already stored, then summarise; writes metrics.json and
+    table.md and returns the summary."""
+    from tqdm.auto import tqdm
+
+    store = PredictionStore(out_dir)
+    stop_ids, newline = stop_tokens(model, tokenizer), newline_token(tokenizer)
+    for task in tasks:
+        done = {m.name: set(store.load(task.name, m.name)) for m in methods}
+        for sample in tqdm(task.samples, desc=task.name, disable=not progress, unit="sample"):
+            for method in methods:
+                if sample.id not in done[method.name]:
+                    record = run_sample(model, tokenizer, task, sample, method, decode_tail, stop_ids, newline)
+                    store.append(task.name, method.name, record)
+    names = [m.name for m in methods]
+    summary = summarize(tasks, {t.name: {m: store.load(t.name, m) for m in names} for t in tasks}, names)
+    out = Path(out_dir)
+    (out / "metrics.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out / "table.md").write_text(format_table(summary) + "\n", encoding="utf-8")
+    return summary
+
+
+# ---------------------------------------------------------------- summaries
+def _mean(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def _ratio(value: float | None, reference: float | None) -> float | None:
+    return None if value is None or not reference else value / reference
+
+
+def _sample_scores(task: Task, samples: Mapping[str, Sample], records: Mapping[str, dict]) -> dict[str, dict]:
+    return {i: task.scorer(r["pred"], samples[i]) for i, r in records.items()} if task.scorer else {}
+
+
+def _stats_means(records: Iterable[dict]) -> dict[str, float]:
+    columns: dict[str, list[float]] = {}
+    for record in records:
+        for key, value in record.get("stats", {}).items():
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                columns.setdefault(key, []).append(float(value))
+    return {key: sum(v) / len(v) for key, v in columns.items()}
+
+
+def _fidelity(records: Mapping[str, dict], reference: Mapping[str, dict]) -> dict[str, Any]:
+    common = [i for i in records if i in reference]
+    if not common:
+        return {}
+    divergences = [metrics.first_divergence(records[i]["tokens"], reference[i]["tokens"]) for i in common]
+    diverged = [d for d in divergences if d is not None]
+    return {
+        "n": len(common),
+        "rouge_l_vs_dense": _mean(metrics.rouge_l_f1(records[i]["pred"].split(), reference[i]["pred"].split())
+                                  for i in common),
+        "identical": sum(d is None for d in divergences) / len(common),
+        "first_divergence_mean": _mean(diverged),
+        "first_divergence_min": min(diverged) if diverged else None,
+    }
+
+
+def summarize_task(task: Task, records: Mapping[str, Mapping[str, dict]], reference: str = REFERENCE
+                   ) -> dict[str, Any]:
+    """Summary of one task from its stored records by method (only samples of ``task`` count)."""
+    samples = {s.id: s for s in task.samples}
+    kept = {m: {i: r for i, r in recs.items() if i in samples} for m, recs in records.items()}
+    ref = kept.get(reference, {})
+    out: dict[str, Any] = {"kind": task.kind, "n": {m: len(recs) for m, recs in kept.items()},
+                           "score": {}, "ratio": {}}
+    if task.kind == "perplexity":
+        out["metric"] = "ppl"
+        for method, recs in kept.items():
+            out["score"][method] = (perplexity(sum(r["nll"] for r in recs.values()),
+                                               sum(r["scored_tokens"] for r in recs.values())) if recs else None)
+            common = [i for i in recs if i in ref]
+            if method != reference and common:
+                out["ratio"][method] = (perplexity(sum(recs[i]["nll"] for i in common),
+                                                   sum(recs[i]["scored_tokens"] for i in common))
+                                        / perplexity(sum(ref[i]["nll"] for i in common),
+                                                     sum(ref[i]["scored_tokens"] for i in common)))
+    else:
+        scores = {m: _sample_scores(task, samples, recs) for m, recs in kept.items()}
+        names = next((list(s) for per in scores.values() for s in per.values() if s), [])
+        out["metric"] = names[0] if names else None
+        out["scores"] = {m: {name: _pct(_mean(s[name] for s in per.values())) for name in names}
+                         for m, per in scores.items()}
+        for method, per in scores.items():
+            out["score"][method] = out["scores"][method].get(out["metric"]) if names else None
+            common = [i for i in per if i in scores.get(reference, {})]
+            if method != reference and names and common:
+                out["ratio"][method] = _ratio(_mean(per[i][names[0]] for i in common),
+                                              _mean(scores[reference][i][names[0]] for i in common))
+        if task.bucket and names:
+            out["buckets"] = {m: _bucket_scores(task, samples, per, names[0]) for m, per in scores.items()}
+        out["fidelity"] = {m: _fidelity(recs, ref) for m, recs in kept.items() if m != reference}
+    out["stats"] = {m: _stats_means(recs.values()) for m, recs in kept.items()}
+    return out
+
+
+def _pct(value: float | None) -> float | None:
+    return None if value is None else 100 * value
+
+
+def _bucket_scores(task: Task, samples: Mapping[str, Sample], per: Mapping[str, dict], name: str
+                   ) -> dict[str, float | None]:
+    groups: dict[str, list[float]] = {}
+    for i, scores in per.items():
+        groups.setdefault(task.bucket(samples[i]), []).append(scores[name])
+    return {bucket: _pct(_mean(values)) for bucket, values in sorted(groups.items())}
+
+
+def summarize(tasks: Sequence[Task], records: Mapping[str, Mapping[str, Mapping[str, dict]]],
+              methods: Sequence[str], reference: str = REFERENCE) -> dict[str, Any]:
+    """Per-task summaries plus the average of the headline scores over the scored generation tasks."""
+    per_task = {t.name: summarize_task(t, records[t.name], reference) for t in tasks}
+    scored = [s for s in per_task.values() if s["kind"] == "generate" and s["metric"]]
+    average: dict[str, Any] = {"score": {}, "ratio": {}}
+    if scored:
+        for method in methods:
+            values = [s["score"].get(method) for s in scored]
+            average["score"][method] = _mean(values) if all(v is not None for v in values) else None
+        for method in methods:
+            if method != reference:
+                average["ratio"][method] = _ratio(average["score"].get(method), average["score"].get(reference))
+    return {"reference": reference, "methods": list(methods), "tasks": per_task, "average": average}
+
+
+# ---------------------------------------------------------------- table
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def format_table(summary: Mapping[str, Any]) -> str:
+    """Markdown table: task | metric | n | dense | each method, its ratio to dense and its ROUGE-L vs dense."""
+    reference, methods = summary["reference"], summary["methods"]
+    others = [m for m in methods if m != reference]
+    header = ["task", "metric", "n"] + ([reference] if reference in methods else [])
+    for method in others:
+        header += [method, "ratio", "fidelity"]
+    rows = [header, ["---"] * len(header)]
+    for name, task in list(summary["tasks"].items()) + [("average", summary["average"])]:
+        if name == "average" and not task["score"]:
+            continue
+        row = [name, task.get("metric") or "-", str(max(task.get("n", {}).values(), default=0) or "")]
+        if reference in methods:
+            row.append(_fmt(task["score"].get(reference)))
+        for method in others:
+            fidelity = task.get("fidelity", {}).get(method, {})
+            row += [_fmt(task["score"].get(method)), _fmt(task["ratio"].get(method), 4),
+                    _fmt(fidelity.get("rouge_l_vs_dense"), 4)]
+        rows.append(row)
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)

