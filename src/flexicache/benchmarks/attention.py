@@ -27,6 +27,7 @@ from transformers import LlamaConfig
 from transformers.cache_utils import DynamicLayer
 
 from flexicache import FlexiCache, HeadProfile, attention
+from flexicache.benchmarks.measure import synchronize
 
 
 @dataclass
@@ -89,11 +90,6 @@ def time_steps(step: Callable[[int], None], first: int, steps: int, device: torc
             "step_ms_p99": step_ms[max(0, math.ceil(0.99 * len(step_ms)) - 1)], "p99_rule": "nearest-rank",
             "timed_steps": len(step_ms), "host_issue_ms_p50": statistics.median(host_ms),
             "host_issue_ms_mean": statistics.fmean(host_ms)}
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def warm_then_time(step: Callable[[int], None], steps: int, warmup: int, device: torch.device) -> dict[str, float]:
