@@ -43,8 +43,15 @@ def test_valid_settings_and_other_fields():
 
 
 def test_flashinfer_backend_on_cpu_is_refused():
+    from flexicache.backends.flashinfer import flashinfer_available
+
     config = tiny_config(num_layers=1)
     model = tiny_model(config)
+    if not flashinfer_available():  # refused at construction, before the model is touched
+        with pytest.raises(ImportError, match=r"flexicache\[cuda\]"):
+            FlexiCache.from_model(model, token_budget=32, page_size=8, backend="flashinfer")
+        assert model.config._attn_implementation != "flexicache"
+        return
     cache = FlexiCache.from_model(model, token_budget=32, page_size=8, backend="flashinfer")
     with pytest.raises(ValueError, match="CUDA"):
         greedy(model, random_prompt(5, seed=0).view(1, -1), cache, None, 2)

@@ -388,6 +388,12 @@ class FlexiCache(DynamicCache):
         self.settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size,
                                          rerank_interval=rerank_interval, group_reduce=group_reduce, backend=backend)
         check_supported_model(config)
+        if backend == "flashinfer":
+            from flexicache.backends.flashinfer import flashinfer_available
+
+            if not flashinfer_available():
+                raise ImportError("backend='flashinfer' needs FlashInfer: pip install 'flexicache[cuda]', "
+                                  "or use backend='auto'.")
         if profile is None:
             profile = HeadProfile.default(config)
         elif not isinstance(profile, HeadProfile):

@@ -110,7 +110,10 @@ class SequenceState:
             self.num_tokens_host = torch.zeros(batch_size, dtype=torch.long)
             self.valid = torch.zeros(batch_size, max(64, 2 * length), dtype=torch.bool, device=device)
         if batch_size != self.batch_size:
-            raise ValueError(f"FlexiCache holds a batch of {self.batch_size} requests, got {batch_size}.")
+            raise ValueError(
+                f"FlexiCache holds a batch of {self.batch_size} requests, got {batch_size}: call cache.reset() "
+                "(or build a new FlexiCache) before starting another batch."
+            )
         self._store_validity(valid, length, device)
         before, before_host = self.num_tokens, self.num_tokens_host
         page_size = self.page_size
