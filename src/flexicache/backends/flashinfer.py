@@ -44,7 +44,6 @@ class FlashInferBackend:
         self._flashinfer = flashinfer
         self._planned: tuple | None = None
         self._indices = torch.empty(0, dtype=torch.int32, device=device)
-        self.plans = 0
 
     def _wrapper(self, tensor_cores: bool):
         if tensor_cores not in self._wrappers:
@@ -74,7 +73,6 @@ class FlashInferBackend:
                 group, 1, head_dim, page_size, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
             )
             self._planned = key
-            self.plans += 1
         return self._indices
 
     def run_prepared(self, query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor) -> torch.Tensor:
