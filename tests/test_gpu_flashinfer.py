@@ -35,7 +35,7 @@ def test_flashinfer_matches_reference(group: int, head_dim: int) -> None:
     rows = num_tokens.numel() * num_kv_heads
     pool_k = torch.randn(512, page_size, head_dim, device=device, dtype=torch.bfloat16)
     pool_v = torch.randn_like(pool_k)
-    layout = build_decode_layout(num_tokens, num_kv_heads, pages_per_head, page_size, device)
+    layout = build_decode_layout(num_tokens, num_kv_heads, pages_per_head, page_size)
     counts = (layout.row_indptr_host[1:] - layout.row_indptr_host[:-1]).tolist()
     slots = torch.full((rows, pages_per_head), -1, dtype=torch.long)
     page_lens = torch.zeros(rows, pages_per_head, dtype=torch.long)
@@ -125,6 +125,13 @@ def test_host_tier_round_trip_is_bit_exact() -> None:
         assert torch.equal(values[selector], expected_v[selector])
 
 
+def listed_pages(table: tuple[torch.Tensor, torch.Tensor]) -> list[list[tuple[int, int]]]:
+    """Each row's listed ``(slot, length)`` entries in order (where an entry sits in the padded row is free)."""
+    slots, lens = (tensor.tolist() for tensor in table)
+    return [[(slot, length) for slot, length in zip(row_slots, row_lens) if length > 0]
+            for row_slots, row_lens in zip(slots, lens)]
+
+
 def test_fused_decode_table_matches_torch_table() -> None:
     pytest.importorskip("triton")
     model = tiny_model(4)
@@ -133,16 +140,40 @@ def test_fused_decode_table_matches_torch_table() -> None:
     ids = torch.randint(0, 512, (3, 700), device="cuda")
     mask = torch.ones_like(ids)
     mask[1, :123] = 0
-    mask[2, :400] = 0
+    mask[2, :680] = 0  # 20 real tokens: fewer pages than the budget
     cache = FlexiCache.from_model(model, profile=profile, token_budget=128, backend="reference")
     with torch.inference_mode():
         model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=37, do_sample=False)
-        query = torch.randn(3, model.config.num_attention_heads, 1, model.config.head_dim, device="cuda",
-                            dtype=torch.bfloat16)
-        for layer in cache.layers:
-            rows_query = query.reshape(3 * 2, -1, model.config.head_dim)
-            layout = layer._decode_layout(layer.plan)
-            expected = layer._decode_table(rows_query, layer.plan)
-            fused = layer._fused_table(rows_query, layer.plan, None, layout)
-            for got, want in zip(fused, expected):
-                assert torch.equal(got, want)
+        for reduce in ("max", "sum"):
+            object.__setattr__(cache.settings, "group_reduce", reduce)
+            query = torch.randn(3, model.config.num_attention_heads, 1, model.config.head_dim, device="cuda",
+                                dtype=torch.bfloat16)
+            for layer in cache.layers:
+                rows_query = query.reshape(3 * 2, -1, model.config.head_dim)
+                expected = layer._decode_table(rows_query, layer.plan)
+                assert listed_pages(layer._fused_table(rows_query, layer.plan)) == listed_pages(expected)
+
+
+def test_cuda_graph_decode_matches_eager_launches() -> None:
+    """Captured decode graphs replay exactly what eager launches compute, through reranks, promotions, tail
+    retirements and pool/metadata growth (each growth re-captures)."""
+    model = tiny_model(4)
+    profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim,
+                          unstable_heads=[(0, 0), (2, 1), (3, 0)])
+    ids = torch.randint(0, 512, (3, 600), device="cuda")
+    results, caches = {}, {}
+    for graphs in (False, True):
+        cache = FlexiCache.from_model(model, profile=profile, token_budget=128, backend="flashinfer",
+                                      cuda_graphs=graphs)
+        logits = []
+        with torch.inference_mode():
+            model(ids[:, :500], past_key_values=cache, use_cache=True)
+            for index in range(500, 600):
+                logits.append(model(ids[:, index : index + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+        results[graphs], caches[graphs] = torch.stack(logits), cache
+    assert torch.equal(results[True], results[False])
+    graphed = caches[True]
+    assert all(layer.graph is not None for layer in graphed.layers)
+    captures = [layer.graph.captures for layer in graphed.layers]
+    assert all(1 <= count <= 10 for count in captures), captures  # replayed; re-captured on growth only
+    assert graphed.stats()["promoted_pages"] == caches[False].stats()["promoted_pages"] > 0

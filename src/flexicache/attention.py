@@ -120,8 +120,7 @@ def flexicache_attention_forward(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = chunk.layer
     if chunk.is_decode:
-        layer.commit(chunk, query, real_tokens=None)
-        return layer.decode_attention(query, scale), None
+        return layer.decode(chunk, query, scale), None
     real = real_tokens_of_chunk(attention_mask, chunk.logical_start, chunk.keys.shape[2])
     layer.commit(chunk, query, real_tokens=real)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scale, dropout=dropout, **kwargs)

@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 from flexicache import attention
 from flexicache.backends import DecodeBackend, DecodeLayout, build_decode_layout, resolve_backend, triton_available
 from flexicache.config import FlexiCacheConfig
+from flexicache.decode_graph import DecodeGraph, StepInputs
 from flexicache.offload import OffloadedPages, TransferCounters
 from flexicache.paging import PageMetadata, PagePool, ResidentPages, chunk_tokens
 from flexicache.profile import HeadProfile, model_shape
@@ -32,9 +33,11 @@ class FlexiLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(self, layer_idx: int, settings: FlexiCacheConfig, unstable_heads: list[int], num_kv_heads: int,
-                 sequence: SequenceState, backends: dict[torch.device, DecodeBackend]) -> None:
+                 sequence: SequenceState, backends: dict[torch.device, DecodeBackend],
+                 step_inputs: dict[torch.device, StepInputs] | None = None) -> None:
         super().__init__()
         self.backends = backends  # shared by the cache's layers: one backend (and plan) per device
+        self.step_inputs = {} if step_inputs is None else step_inputs  # shared: per-step values per device
         self.layer_idx = layer_idx
         self.settings = settings
         self.num_kv_heads = num_kv_heads
@@ -82,6 +85,7 @@ class FlexiLayer(CacheLayerMixin):
                                             self.settings.pages_per_head, page_size)
             self.write_slots[:, self.stable_index] = self.offloaded.tail_slots()
         self.fused_table = self.device.type == "cuda" and triton_available()
+        self.graph: DecodeGraph | None = None  # built at the first decode step on the CUDA + FlashInfer path
         self.is_initialized = True
 
     # ------------------------------------------------------------------------------------ transformers protocol
@@ -122,7 +126,8 @@ class FlexiLayer(CacheLayerMixin):
     # ----------------------------------------------------------------------------------------- append & decode
 
     def commit(self, chunk: attention.StagedChunk, query: torch.Tensor, real_tokens: torch.Tensor | None) -> None:
-        """Write a staged chunk into pages (padding skipped); after several tokens, rerank the stable heads.
+        """Write a staged chunk of several tokens (or a first token) into pages (padding skipped); rerank the
+        stable heads after it.
 
         Args:
             query: ``[B, Hq, T, D]`` queries of the chunk (the last one seeds the stable heads' selection).
@@ -131,7 +136,7 @@ class FlexiLayer(CacheLayerMixin):
         keys, values = chunk.keys, chunk.values
         plan = self.sequence.plan_chunk(self.num_chunks, real_tokens, keys.shape[0], keys.shape[2], self.device)
         self.append(keys, values, plan)
-        if not chunk.is_decode and self.offloaded is not None:
+        if self.offloaded is not None:
             self._rerank_stable(self._group_queries(query[:, :, -1], self.stable_index), plan)
             # Stagger: layer l reranks at decode steps where (step + l) % interval == 0, so no step pays them all.
             self.offloaded.steps_since_rerank = self.layer_idx % self.settings.rerank_interval
@@ -139,7 +144,8 @@ class FlexiLayer(CacheLayerMixin):
     def append(self, keys: torch.Tensor, values: torch.Tensor, plan: AppendPlan) -> None:
         """Append a chunk ``[B, H, T, D]`` to both head classes following ``plan``."""
         if plan.is_single_token:
-            self._append_token(keys[:, :, 0], values[:, :, 0], plan)
+            self._prepare_token_slots(plan)
+            self._write_token(keys[:, :, 0], values[:, :, 0], plan)
         else:
             self.meta.append(chunk_tokens(keys, plan), plan)
             if self.resident is not None:
@@ -149,18 +155,26 @@ class FlexiLayer(CacheLayerMixin):
             if self.offloaded is not None:
                 self.offloaded.append_chunk(chunk_tokens(keys.index_select(1, self.stable_index), plan),
                                             chunk_tokens(values.index_select(1, self.stable_index), plan), plan)
+        self._advance(plan, keys.shape[2])
+
+    def _advance(self, plan: AppendPlan, num_tokens: int) -> None:
         self.plan = plan
         self.num_chunks += 1
-        self.committed_length += keys.shape[2]
+        self.committed_length += num_tokens
 
-    def _append_token(self, keys: torch.Tensor, values: torch.Tensor, plan: AppendPlan) -> None:
-        """Decode step: write one token per request and head (``[B, H, D]``) into its tail page's slot."""
+    def _prepare_token_slots(self, plan: AppendPlan) -> None:
+        """Before a single-token append: retire full stable tails, open resident pages, grow the metadata."""
         if self.offloaded is not None:
-            self.offloaded.retire_full_tails(plan)
+            full = self._per_step(plan, "full_tails", lambda: _requests_with_full_tail(plan, self.device))
+            if full is not None:
+                self.offloaded.retire_full_tails(full, plan)
         if self.resident is not None and plan.num_new_pages:
             self.resident.open_pages(plan)
             self.write_slots[:, self.unstable_index] = self.resident.tail_slots(plan.after)
-        self.meta.reserve(plan.max_pages_after)
+        self.meta.reserve(self._per_step(plan, "max_pages", lambda: plan.max_pages_after))
+
+    def _write_token(self, keys: torch.Tensor, values: torch.Tensor, plan: AppendPlan) -> None:
+        """Write one token per request and head (``[B, H, D]``) into its tail page's slot and page min/max."""
         if self.fused_table:
             from flexicache.backends.triton_select import append_token
 
@@ -190,7 +204,7 @@ class FlexiLayer(CacheLayerMixin):
         return per_request.repeat_interleave(num_heads)
 
     def _rerank_stable(self, query: torch.Tensor, plan: AppendPlan) -> None:
-        """Rerank every stable row with ``query [B * hs, G, D]``."""
+        """Rerank every stable row with ``query [B * hs, G, D]`` over its full pages (the tail page is not read)."""
         page_size = self.settings.page_size
         full_pages = (plan.after - 1).clamp(min=0) // page_size
         width = int((plan.after_host - 1).clamp(min=0).max()) // page_size
@@ -201,54 +215,112 @@ class FlexiLayer(CacheLayerMixin):
         scores = quest_page_scores(query, kmin, kmax, self.settings.group_reduce)
         self.offloaded.rerank(scores, self._rows(full_pages, len(self.stable_heads)))
 
-    def decode_attention(self, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """Sparse attention of one query token per request over each KV head's selected pages.
+    def decode(self, chunk: attention.StagedChunk, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """One decode token: append it, rerank the rows that are due, attend over each row's selected pages.
 
-        Both head classes list their pages in one ``[B * H, K]`` table over the layer's pool, so the backend runs
-        once per layer with the step's shared layout. On CUDA a fused Triton kernel builds the table (scoring and
-        top-K included) and writes FlashInfer's index buffer directly.
+        Unstable and stable rows list their pages in one ``[B * H, K]`` table over the layer's pool, so the
+        backend runs once per layer with the step's shared layout. On CUDA with FlashInfer and Triton the token
+        append, scoring, selection and decode are one captured CUDA graph (:class:`DecodeGraph`).
 
         Args:
-            query: ``[B, Hq, 1, D]``.
+            query: ``[B, Hq, 1, D]``; the chunk's keys/values: ``[B, H, 1, D]``.
 
         Returns:
             ``[B, 1, Hq, D]``.
         """
-        plan = self.plan
         batch_size, num_query_heads, _, head_dim = query.shape
+        plan = self.sequence.plan_chunk(self.num_chunks, None, batch_size, 1, self.device)
+        self._prepare_token_slots(plan)
         rows_query = query.reshape(batch_size * self.num_kv_heads, num_query_heads // self.num_kv_heads, head_dim)
         self.decode_steps += 1
         if self.resident is not None:
             self.unstable_counters.reranks += batch_size * len(self.unstable_heads)
-        if self.offloaded is not None:
+        if self.offloaded is not None:  # reads full pages only, so it may run before the token is written
             self.offloaded.steps_since_rerank += 1
             if self.offloaded.steps_since_rerank >= self.settings.rerank_interval:
                 stable_query = rows_query.view(batch_size, self.num_kv_heads, -1, head_dim)[:, self.stable_index]
                 self._rerank_stable(stable_query.flatten(0, 1), plan)
-        layout = self._decode_layout(plan)
-        if self.fused_table:
-            flat = self.backend.prepare(layout, rows_query.shape[1], head_dim, self.settings.page_size, query.dtype,
-                                        scale) if hasattr(self.backend, "prepare") else None
-            slots, page_lens = self._fused_table(rows_query, plan, flat, layout)
-            if flat is not None:
-                output = self.backend.run_prepared(rows_query, self.pool.k, self.pool.v)
-                return output.view(batch_size, num_query_heads, head_dim).unsqueeze(1)
+        keys, values = chunk.keys[:, :, 0], chunk.values[:, :, 0]
+        if self._graph_ready(rows_query):
+            output = self._decode_graphed(keys, values, rows_query, plan, scale)
         else:
-            slots, page_lens = self._decode_table(rows_query, plan)
-        output = self.backend.paged_decode(rows_query, self.pool.k, self.pool.v, slots, page_lens, scale, layout)
+            self._write_token(keys, values, plan)
+            output = self._decode_eager(rows_query, plan, scale)
+        self._advance(plan, 1)
         return output.view(batch_size, num_query_heads, head_dim).unsqueeze(1)
 
-    def _fused_table(self, rows_query: torch.Tensor, plan: AppendPlan, flat: torch.Tensor | None,
-                     layout: DecodeLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        from flexicache.backends.triton_select import decode_table
+    def _graph_ready(self, rows_query: torch.Tensor) -> bool:
+        """Whether this step runs through the :class:`DecodeGraph` path (built here at the first such step)."""
+        if not (self._fused_table_fits() and hasattr(self.backend, "prepare")):
+            return False
+        if self.graph is None:
+            self.graph = DecodeGraph(self.batch_size, self.num_kv_heads, rows_query.shape[1], self.head_dim,
+                                     self.dtype, self.device, capture=self.settings.cuda_graphs)
+        return True
+
+    def _decode_graphed(self, keys: torch.Tensor, values: torch.Tensor, rows_query: torch.Tensor,
+                        plan: AppendPlan, scale: float) -> torch.Tensor:
+        from flexicache.backends.triton_select import TableInputs, append_token, decode_table, scores_buffer
+
+        graph, pages_per_head = self.graph, self.settings.pages_per_head
+        planned = self.backend.prepare(self._decode_layout(plan), rows_query.shape[1], self.head_dim,
+                                       self.settings.page_size, pages_per_head, self.dtype, scale)
+        if self.device not in self.step_inputs:
+            self.step_inputs[self.device] = StepInputs(self.batch_size, self.device)
+        step = self.step_inputs[self.device].load(plan)
+        graph.load(keys, values, rows_query)
+        resident, offloaded = self.resident, self.offloaded
+        inputs = TableInputs(
+            graph.query, self.meta.kmin, self.meta.kmax, resident.table if resident else None,
+            offloaded.selected if offloaded else None, step.num_tokens, self.unstable_index, self.stable_index,
+            offloaded.base if offloaded else 0, pages_per_head, self.settings.page_size, self.settings.group_reduce,
+        )
+        if graph.scores is None or graph.scores.shape[1] < inputs.kmin.shape[2]:
+            graph.scores = scores_buffer(inputs)
+        scores = graph.scores
+
+        def launch() -> None:
+            append_token(graph.keys, graph.values, self.pool.k, self.pool.v, inputs.kmin, inputs.kmax,
+                         self.write_slots, step.page, step.offset)
+            decode_table(inputs, scores, flat=planned.indices, indptr=planned.indptr)
+            self.backend.run_prepared(planned, graph.query, self.pool.k, self.pool.v, out=graph.output)
+
+        storage = (self.pool.k, self.pool.v, inputs.kmin, inputs.kmax, inputs.table, inputs.selected, scores)
+        storage_key = (planned, *((t.data_ptr(), t.shape) if t is not None else None for t in storage))
+        return graph.run(launch, storage_key)
+
+    def _decode_eager(self, rows_query: torch.Tensor, plan: AppendPlan, scale: float) -> torch.Tensor:
+        """Build the ``[B * H, K]`` table (fused Triton kernels on CUDA, else torch) and run the backend."""
+        if self._fused_table_fits():
+            slots, page_lens = self._fused_table(rows_query, plan)
+        else:
+            slots, page_lens = self._decode_table(rows_query, plan)
+        return self.backend.paged_decode(rows_query, self.pool.k, self.pool.v, slots, page_lens, scale,
+                                         self._decode_layout(plan))
+
+    def _fused_table_fits(self) -> bool:
+        """Whether the Triton kernels can build this step's table (CUDA, Triton, rows short enough)."""
+        if not self.fused_table:
+            return False
+        from flexicache.backends.triton_select import fits_fused_table
+
+        return fits_fused_table(self.meta.kmin.shape[2])
+
+    def _fused_table(self, rows_query: torch.Tensor, plan: AppendPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Triton kernels' ``(slots, page_lens)`` table, ``[B * H, K]`` (same contract as the torch one)."""
+        from flexicache.backends.triton_select import TableInputs, decode_table, scores_buffer
 
         resident, offloaded = self.resident, self.offloaded
-        return decode_table(
-            rows_query, self.meta.kmin, self.meta.kmax, resident.table if resident else None,
+        inputs = TableInputs(
+            rows_query.contiguous(), self.meta.kmin, self.meta.kmax, resident.table if resident else None,
             offloaded.selected if offloaded else None, plan.after, self.unstable_index, self.stable_index,
             offloaded.base if offloaded else 0, self.settings.pages_per_head, self.settings.page_size,
-            self.settings.group_reduce, plan.max_pages_after, flat, layout.row_indptr,
+            self.settings.group_reduce,
         )
+        slots = torch.empty(rows_query.shape[0], self.settings.pages_per_head, dtype=torch.long, device=self.device)
+        page_lens = torch.empty_like(slots)
+        decode_table(inputs, scores_buffer(inputs), table_out=(slots, page_lens))
+        return slots, page_lens
 
     def _decode_table(self, rows_query: torch.Tensor, plan: AppendPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Torch version of the decode table: ``(slots, page_lens)``, ``[B * H, K]``, every row's listed pages."""
@@ -272,7 +344,7 @@ class FlexiLayer(CacheLayerMixin):
     def _decode_layout(self, plan: AppendPlan) -> DecodeLayout:
         """The step's row layout, built by the first layer on this device and shared by the others."""
         return self._per_step(plan, "decode_layout", lambda: build_decode_layout(
-            plan.after_host, self.num_kv_heads, self.settings.pages_per_head, self.settings.page_size, self.device))
+            plan.after_host, self.num_kv_heads, self.settings.pages_per_head, self.settings.page_size))
 
     def _resident_selection(self, query: torch.Tensor, plan: AppendPlan, last_page_len: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -350,6 +422,13 @@ class FlexiLayer(CacheLayerMixin):
         return stats
 
 
+def _requests_with_full_tail(plan: AppendPlan, device: torch.device) -> torch.Tensor | None:
+    """``[n]`` requests whose tail page filled up before this single-token step (``None`` if none)."""
+    page_size = plan.page_size
+    full = (plan.before_host > 0) & (plan.before_host % page_size == 0)
+    return full.nonzero().view(-1).to(device) if bool(full.any()) else None
+
+
 def check_supported_model(config: Any) -> None:
     """Raise ``ValueError`` for models FlexiCache cannot serve (it needs full causal self-attention layers)."""
     text_config = config.get_text_config(decoder=True)
@@ -379,14 +458,16 @@ class FlexiCache(DynamicCache):
     Args:
         config: the model's config (shape, layer types).
         profile: a :class:`HeadProfile`, a path to one, or ``None`` for :meth:`HeadProfile.default`.
-        token_budget, page_size, rerank_interval, group_reduce, backend: see :class:`FlexiCacheConfig`.
+        token_budget, page_size, rerank_interval, group_reduce, backend, cuda_graphs: see
+            :class:`FlexiCacheConfig`.
     """
 
     def __init__(self, config: Any, profile: HeadProfile | str | os.PathLike | None = None, token_budget: int = 2048,
                  page_size: int = 16, rerank_interval: int = 16, group_reduce: str = "max",
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", cuda_graphs: bool = True) -> None:
         self.settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size,
-                                         rerank_interval=rerank_interval, group_reduce=group_reduce, backend=backend)
+                                         rerank_interval=rerank_interval, group_reduce=group_reduce, backend=backend,
+                                         cuda_graphs=cuda_graphs)
         check_supported_model(config)
         if backend == "flashinfer":
             from flexicache.backends.flashinfer import flashinfer_available
@@ -403,9 +484,10 @@ class FlexiCache(DynamicCache):
         num_layers, num_kv_heads, _ = model_shape(config)
         self.sequence = SequenceState(page_size)
         self.backends: dict[torch.device, DecodeBackend] = {}
+        self.step_inputs: dict[torch.device, StepInputs] = {}
         layers = [
             FlexiLayer(index, self.settings, profile.unstable_heads_of(index), num_kv_heads, self.sequence,
-                       self.backends)
+                       self.backends, self.step_inputs)
             for index in range(num_layers)
         ]
         Cache.__init__(self, layers=layers)
@@ -424,6 +506,7 @@ class FlexiCache(DynamicCache):
     def reset(self) -> None:
         attention.clear_staged()
         self.sequence.reset()
+        self.step_inputs.clear()
         super().reset()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

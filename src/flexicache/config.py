@@ -20,6 +20,8 @@ class FlexiCacheConfig:
         group_reduce: how page scores of the query heads of one GQA group are combined, ``"max"`` or ``"sum"``.
         backend: decode kernel: ``"auto"`` (FlashInfer on CUDA when installed, else the torch reference),
             ``"reference"`` or ``"flashinfer"``.
+        cuda_graphs: on the CUDA + FlashInfer path, capture each layer's decode step (token append, scoring,
+            selection, sparse decode) as a CUDA graph and replay it; ``False`` launches the same kernels eagerly.
     """
 
     token_budget: int = 2048
@@ -27,6 +29,7 @@ class FlexiCacheConfig:
     rerank_interval: int = 16
     group_reduce: Literal["max", "sum"] = "max"
     backend: BackendName = "auto"
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -48,6 +51,8 @@ class FlexiCacheConfig:
             raise ValueError(f"group_reduce must be 'max' or 'sum', got {self.group_reduce!r}.")
         if self.backend not in ("auto", "reference", "flashinfer"):
             raise ValueError(f"backend must be 'auto', 'reference' or 'flashinfer', got {self.backend!r}.")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}.")
 
     @property
     def pages_per_head(self) -> int:

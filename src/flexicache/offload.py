@@ -99,22 +99,12 @@ class OffloadedPages:
 
     # ----------------------------------------------------------------------------------------------- append
 
-    def retire_full_tails(self, plan: AppendPlan) -> None:
-        """Decode step: a request whose tail page is full moves it out before its next token is written.
+    def retire_full_tails(self, batch: torch.Tensor, plan: AppendPlan) -> None:
+        """Decode step: requests ``batch [n]`` (device) whose tail page is full move it out before their next token.
 
         The page goes to the host tier and takes over a selection slot (an empty one, else the lowest-scored page
         but never the sink) until the next rerank.
         """
-        full = (plan.before_host > 0) & (plan.before_host % self.page_size == 0)
-        if bool(full.any()):
-            self._retire_full_tails(full.nonzero().view(-1).to(self.pool.k.device), plan)
-
-    def tail_slots(self) -> torch.Tensor:
-        """``[B, h]`` tail slot of every row."""
-        batch_size = self.num_rows // self.num_heads
-        return self._tail_slots(torch.arange(batch_size, device=self.pool.k.device)).view(batch_size, -1)
-
-    def _retire_full_tails(self, batch: torch.Tensor, plan: AppendPlan) -> None:
         page = (plan.before[batch] - 1) // self.page_size  # [n] the full tail page of each request
         self.host.reserve(int(plan.before_host.max()) // self.page_size)
         tail_slots = self._tail_slots(batch)
@@ -134,6 +124,11 @@ class OffloadedPages:
         self.pool.v[target] = self.pool.v[tail_slots]
         self.selected[rows, victim] = page.repeat_interleave(self.num_heads)[evictable]
         self.selected_scores[rows, victim] = float("inf")
+
+    def tail_slots(self) -> torch.Tensor:
+        """``[B, h]`` tail slot of every row."""
+        batch_size = self.num_rows // self.num_heads
+        return self._tail_slots(torch.arange(batch_size, device=self.pool.k.device)).view(batch_size, -1)
 
     def _offload_tails(self, batch: torch.Tensor, page: torch.Tensor, tail_slots: torch.Tensor) -> None:
         """Copy the tail slots of requests ``batch`` to host page ``page`` (one per request)."""
@@ -199,7 +194,7 @@ class OffloadedPages:
         self._promote(promo_rows, promo_pages, self.base + promo_rows * self.k + target_cols)
         selected = torch.where(keep, old_pages, -1)
         selected[promo_rows, target_cols] = promo_pages
-        self.selected = selected
+        self.selected.copy_(selected)  # in place: captured decode graphs read this storage
         page_scores = scores.gather(1, selected.clamp(min=0)).to(self.selected_scores.dtype)
         page_scores = page_scores.masked_fill(selected == 0, float("inf"))
         self.selected_scores = page_scores.masked_fill(selected < 0, float("-inf"))

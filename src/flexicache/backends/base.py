@@ -18,18 +18,17 @@ class DecodeLayout:
 
     row_indptr_host: torch.Tensor  # [R + 1] int32, CPU
     row_last_page_len_host: torch.Tensor  # [R] int32, CPU
-    row_indptr: torch.Tensor  # [R + 1] int32, on the device
 
 
-def build_decode_layout(num_tokens_host: torch.Tensor, num_kv_heads: int, pages_per_head: int, page_size: int,
-                        device: torch.device) -> DecodeLayout:
+def build_decode_layout(num_tokens_host: torch.Tensor, num_kv_heads: int, pages_per_head: int, page_size: int
+                        ) -> DecodeLayout:
     """Layout of a decode step from the real-token counts ``[B]`` (CPU) after the step's token was appended."""
     pages = torch.clamp((num_tokens_host + page_size - 1) // page_size, max=pages_per_head)
     row_pages = pages.repeat_interleave(num_kv_heads).to(torch.int32)
     row_indptr = torch.zeros(row_pages.numel() + 1, dtype=torch.int32)
     torch.cumsum(row_pages, 0, out=row_indptr[1:])
     last_page_len = ((num_tokens_host - 1) % page_size + 1).repeat_interleave(num_kv_heads).to(torch.int32)
-    return DecodeLayout(row_indptr, last_page_len, row_indptr.to(device))
+    return DecodeLayout(row_indptr, last_page_len)
 
 
 class DecodeBackend(Protocol):

@@ -1,11 +1,15 @@
 """FlashInfer sparse paged decode: rows = (request, KV head), ``num_kv_heads=1``, one ``plan()`` per decode step.
 
 Every row attends to ``min(K, pages)`` pages, a count that depends only on the request's length, so all layers of
-one step share the plan (built from host-side lengths, no device sync). Each layer scatters its page slots into
-one preallocated index buffer that the planned wrapper reads.
+one step share the plan (built from host-side lengths, no device sync). The wrappers run in FlashInfer's
+CUDA-graph mode: their index, row-offset and last-page buffers never move, so a layer's decode can be captured
+once and replayed after every later plan. Each layer writes its page slots into the shared index buffer before
+it runs.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +25,20 @@ def flashinfer_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@dataclass(eq=False)
+class PlannedDecode:
+    """A planned step: the wrapper and the buffers a layer fills before :meth:`FlashInferBackend.run_prepared`.
+
+    ``indices``: int32 ``[R * K + 1]`` pool slot of every listed page, row ``r`` at
+    ``indices[indptr[r]:indptr[r+1]]`` (the last entry is a never-read dump for unlisted entries);
+    ``indptr``: int32 ``[R + 1]`` on the device (written by the plan).
+    """
+
+    wrapper: object
+    indices: torch.Tensor
+    indptr: torch.Tensor
 
 
 class FlashInferBackend:
@@ -40,54 +58,62 @@ class FlashInferBackend:
         self.device = device
         self.use_tensor_cores = use_tensor_cores
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._wrappers: dict[bool, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
+        self._planned_steps: dict[tuple[int, int, bool], PlannedDecode] = {}
         self._flashinfer = flashinfer
-        self._planned: tuple | None = None
-        self._indices = torch.empty(0, dtype=torch.int32, device=device)
-
-    def _wrapper(self, tensor_cores: bool):
-        if tensor_cores not in self._wrappers:
-            self._wrappers[tensor_cores] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, kv_layout="NHD", use_tensor_cores=tensor_cores
-            )
-        return self._wrappers[tensor_cores]
+        self._plan_key: tuple | None = None
+        self._current: PlannedDecode | None = None
 
     def _tensor_cores(self, group: int) -> bool:
         if self.use_tensor_cores is not None:
             return self.use_tensor_cores
         return group not in CUDA_CORE_GROUP_SIZES or group >= 8
 
-    def prepare(self, layout: DecodeLayout, group: int, head_dim: int, page_size: int, dtype: torch.dtype,
-                scale: float) -> torch.Tensor:
-        """Plan the step (once: every layer of the step passes the same ``layout``) and return the int32 index
-        buffer that each layer fills with its rows' page slots (``indices[indptr[r] + j]``) before
-        :meth:`run_prepared`."""
-        self._tensor_cores_now = self._tensor_cores(group)
-        key = (layout, group, head_dim, page_size, dtype, scale, self._tensor_cores_now)
-        if self._planned != key:
+    def _planned_step(self, rows: int, pages_per_head: int, tensor_cores: bool) -> PlannedDecode:
+        """The CUDA-graph-mode wrapper (and its static buffers) for ``rows`` rows of at most ``pages_per_head``."""
+        key = (rows, pages_per_head, tensor_cores)
+        if key not in self._planned_steps:
+            indptr = torch.zeros(rows + 1, dtype=torch.int32, device=self.device)
+            indices = torch.zeros(rows * pages_per_head + 1, dtype=torch.int32, device=self.device)
+            last_page_len = torch.zeros(rows, dtype=torch.int32, device=self.device)
+            wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+                paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last_page_len, backend="fa2",
+            )
+            self._planned_steps[key] = PlannedDecode(wrapper, indices, indptr)
+        return self._planned_steps[key]
+
+    def prepare(self, layout: DecodeLayout, group: int, head_dim: int, page_size: int, pages_per_head: int,
+                dtype: torch.dtype, scale: float) -> PlannedDecode:
+        """Plan the step once (every layer of the step passes the same ``layout``) and return its buffers."""
+        tensor_cores = self._tensor_cores(group)
+        key = (layout, group, head_dim, page_size, pages_per_head, dtype, scale, tensor_cores)
+        if self._plan_key != key:
+            rows = layout.row_last_page_len_host.numel()
+            planned = self._planned_step(rows, pages_per_head, tensor_cores)
             total = int(layout.row_indptr_host[-1])
-            if self._indices.numel() < total + 1:
-                self._indices = torch.empty(2 * (total + 1), dtype=torch.int32, device=self.device)
-            self._wrapper(self._tensor_cores_now).plan(
-                layout.row_indptr_host, self._indices[:total], layout.row_last_page_len_host,
+            planned.wrapper.plan(
+                layout.row_indptr_host, planned.indices[:total], layout.row_last_page_len_host,
                 group, 1, head_dim, page_size, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
             )
-            self._planned = key
-        return self._indices
+            self._plan_key, self._current = key, planned
+        return self._current
 
-    def run_prepared(self, query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor) -> torch.Tensor:
-        """Decode ``query [R, G, D]`` over the pool ``[S, ps, D]`` with the prepared plan and indices."""
+    @staticmethod
+    def run_prepared(planned: PlannedDecode, query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode ``query [R, G, D]`` over the pool ``[S, ps, D]`` with a prepared plan and filled indices."""
         cache = (pool_k.unsqueeze(2), pool_v.unsqueeze(2))  # [S, ps, 1, D] each (NHD, one KV head)
-        return self._wrapper(self._tensor_cores_now).run(query.contiguous(), cache)
+        return planned.wrapper.run(query.contiguous(), cache, out=out)
 
     def paged_decode(self, query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor,
                      page_lens: torch.Tensor, scale: float, layout: DecodeLayout) -> torch.Tensor:
-        rows, group, head_dim = query.shape
-        indices = self.prepare(layout, group, head_dim, pool_k.shape[1], query.dtype, scale)
+        _, group, head_dim = query.shape
+        planned = self.prepare(layout, group, head_dim, pool_k.shape[1], slots.shape[1], query.dtype, scale)
         # Compact each row's listed pages (in order, tail last) into the planned index buffer.
         listed = page_lens > 0
         rank = listed.to(torch.int32).cumsum(dim=1) - 1
-        total = int(layout.row_indptr_host[-1])
-        destination = torch.where(listed, layout.row_indptr[:-1].view(-1, 1) + rank, total)
-        indices.scatter_(0, destination.view(-1).long(), slots.view(-1).to(torch.int32))
-        return self.run_prepared(query, pool_k, pool_v)
+        dump = planned.indices.numel() - 1
+        destination = torch.where(listed, planned.indptr[:-1].view(-1, 1) + rank, dump)
+        planned.indices.scatter_(0, destination.view(-1).long(), slots.view(-1).to(torch.int32))
+        return self.run_prepared(planned, query, pool_k, pool_v)

@@ -1,22 +1,29 @@
-"""Fused per-layer decode table (Triton): Quest scoring, top-K, and the page list every row attends to.
+"""Fused per-layer decode kernels (Triton): the token append, Quest scoring, top-K and the page list of each row.
 
-One launch per layer and step replaces ~40 small torch ops. Each program handles one row (request, KV head):
+Three launches per layer and step, all CUDA-graph capturable (every per-step value is read from device memory):
 
-- an *unstable* row scores its pages from the key min/max (read once, all ``G`` query heads of the group),
-  forces the sink and tail pages, finds the K-th largest score by bisection over order-preserving integer keys
-  (ties go to the lower page, like :func:`~flexicache.selection.select_pages`), and lists the chosen pages in
-  ascending order (tail last) through the page table;
-- a *stable* row lists its selection slots that hold a page, then its tail slot.
+- :func:`append_token`: write each row's new token into its tail page and fold its key into the page min/max;
+- ``_score_pages_kernel`` (grid: unstable row x block of pages): Quest upper bounds of every page of the
+  *unstable* rows, aggregated over the ``G`` query heads of the group, sink and tail forced to ``+inf``;
+- ``_decode_table_kernel`` (grid: row): an unstable row finds the K-th largest score by bisection over
+  order-preserving integer keys held in registers (ties go to the lower page, like
+  :func:`~flexicache.selection.select_pages`) and lists the chosen pages in ascending order (tail last) through
+  the page table; a *stable* row lists its selection slots that hold a page, then its tail slot.
 
-Outputs are the padded ``[B * H, K]`` slot/length table of the backend interface and, when given, the compacted
-FlashInfer index buffer (``indices[indptr[r] + j]``).
+Outputs are the compacted FlashInfer index buffer (``indices[indptr[r] + j]``) and/or the padded ``[B * H, K]``
+slot/length table of the backend interface.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+MAX_SCORED_PAGES = 16384  # pages per row the selection holds in registers (262k tokens at page size 16)
+SCORE_BLOCK = 64  # pages per scoring program
 
 
 @triton.jit
@@ -27,114 +34,115 @@ def _order_key(scores):
 
 
 @triton.jit
+def _row_of(pid, num_unstable_rows, num_unstable, num_stable, num_heads, unstable_heads_ptr, stable_heads_ptr):
+    """(row index within its class, batch, row ``b * H + h``) of program ``pid`` (unstable rows first)."""
+    if pid < num_unstable_rows:
+        index = pid
+        batch = index // num_unstable
+        head = tl.load(unstable_heads_ptr + index % num_unstable)
+    else:
+        index = pid - num_unstable_rows
+        batch = index // num_stable
+        head = tl.load(stable_heads_ptr + index % num_stable)
+    return index, batch, batch * num_heads + head
+
+
+@triton.jit
+def _score_pages_kernel(query_ptr, kmin_ptr, kmax_ptr, num_tokens_ptr, unstable_heads_ptr, scores_ptr,
+                        num_unstable, num_heads, meta_capacity, scores_stride,
+                        K: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_P: tl.constexpr, REDUCE_SUM: tl.constexpr):
+    index = tl.program_id(0)
+    batch = index // num_unstable
+    row = batch * num_heads + tl.load(unstable_heads_ptr + index % num_unstable)
+    num_pages = (tl.load(num_tokens_ptr + batch).to(tl.int32) + PAGE_SIZE - 1) // PAGE_SIZE
+    page = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    valid = page < num_pages
+    if (num_pages > K) & (tl.program_id(1) * BLOCK_P < num_pages):  # rows within the budget need no scores
+        dims = tl.arange(0, HEAD_DIM)
+        offsets = (row.to(tl.int64) * meta_capacity + page[:, None]) * HEAD_DIM + dims[None, :]
+        kmin = tl.load(kmin_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+        kmax = tl.load(kmax_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+        if REDUCE_SUM:
+            score = tl.zeros([BLOCK_P], dtype=tl.float32)
+        else:
+            score = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
+        for g in tl.static_range(GROUP):
+            q = tl.load(query_ptr + (row.to(tl.int64) * GROUP + g) * HEAD_DIM + dims).to(tl.float32)
+            bound = tl.sum(tl.maximum(q[None, :] * kmax, q[None, :] * kmin), axis=1)
+            if REDUCE_SUM:
+                score += bound
+            else:
+                score = tl.maximum(score, bound)
+        score = tl.where((page == 0) | (page == num_pages - 1), float("inf"), score)
+        tl.store(scores_ptr + index.to(tl.int64) * scores_stride + page, score, mask=valid)
+
+
+@triton.jit
 def _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, positions, slots, lengths, mask,
-               K: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_FLAT: tl.constexpr):
-    """Write listed entries (``mask``) of ``row`` at ``positions``; the padded table must be cleared first."""
-    out = row.to(tl.int64) * K + positions
-    tl.store(out_slots_ptr + out, slots.to(tl.int64), mask=mask)
-    tl.store(out_lens_ptr + out, lengths.to(tl.int64), mask=mask)
+               K: tl.constexpr, WRITE_TABLE: tl.constexpr, WRITE_FLAT: tl.constexpr):
+    """Write the listed entries (``mask``) of ``row`` at ``positions``."""
+    if WRITE_TABLE:
+        out = row.to(tl.int64) * K + positions
+        tl.store(out_slots_ptr + out, slots.to(tl.int64), mask=mask)
+        tl.store(out_lens_ptr + out, lengths.to(tl.int64), mask=mask)
     if WRITE_FLAT:
         tl.store(flat_ptr + tl.load(indptr_ptr + row) + positions, slots.to(tl.int32), mask=mask)
 
 
 @triton.jit
 def _decode_table_kernel(
-    query_ptr, kmin_ptr, kmax_ptr, table_ptr, selected_ptr, num_tokens_ptr, unstable_heads_ptr, stable_heads_ptr,
-    scores_ptr, pages_ptr, out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr,
-    num_unstable_rows, num_unstable, num_stable, num_heads, meta_capacity, table_capacity, stable_base,
-    scores_stride, max_pages,
-    K: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_SUM: tl.constexpr, WRITE_FLAT: tl.constexpr,
+    scores_ptr, table_ptr, selected_ptr, num_tokens_ptr, unstable_heads_ptr, stable_heads_ptr,
+    out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr,
+    num_unstable_rows, num_unstable, num_stable, num_heads, table_capacity, stable_base, scores_stride,
+    K: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+    WRITE_TABLE: tl.constexpr, WRITE_FLAT: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    index, batch, row = _row_of(pid, num_unstable_rows, num_unstable, num_stable, num_heads, unstable_heads_ptr,
+                                stable_heads_ptr)
     k_offsets = tl.arange(0, BLOCK_K)
     in_row = k_offsets < K
-    if pid < num_unstable_rows:
-        index = pid
-        batch = pid // num_unstable
-        row = batch * num_heads + tl.load(unstable_heads_ptr + pid % num_unstable)
-    else:
-        index = pid - num_unstable_rows
-        batch = index // num_stable
-        row = batch * num_heads + tl.load(stable_heads_ptr + index % num_stable)
     n = tl.load(num_tokens_ptr + batch).to(tl.int32)
     num_pages = (n + PAGE_SIZE - 1) // PAGE_SIZE
     last_len = n - (num_pages - 1) * PAGE_SIZE
-    out = row.to(tl.int64) * K + k_offsets
-    tl.store(out_slots_ptr + out, tl.full([BLOCK_K], -1, tl.int64), mask=in_row)
-    tl.store(out_lens_ptr + out, tl.zeros([BLOCK_K], tl.int64), mask=in_row)
-    tl.debug_barrier()
+    if WRITE_TABLE:  # clear the padded row first; listed entries overwrite it
+        out = row.to(tl.int64) * K + k_offsets
+        tl.store(out_slots_ptr + out, tl.full([BLOCK_K], -1, tl.int64), mask=in_row)
+        tl.store(out_lens_ptr + out, tl.zeros([BLOCK_K], tl.int64), mask=in_row)
+        tl.debug_barrier()
     if pid < num_unstable_rows:
+        table_row = table_ptr + index.to(tl.int64) * table_capacity
         if num_pages <= K:  # every page fits: list them all
-            pages = k_offsets
+            listed = k_offsets < num_pages
+            every_slot = tl.load(table_row + k_offsets, mask=listed, other=-1)
+            every_length = tl.where(k_offsets == num_pages - 1, last_len, PAGE_SIZE)
+            _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, k_offsets, every_slot, every_length,
+                       listed, K, WRITE_TABLE, WRITE_FLAT)
         else:
-            row_scores = scores_ptr + pid.to(tl.int64) * scores_stride
-            meta_row = row.to(tl.int64) * meta_capacity * HEAD_DIM
-            dims = tl.arange(0, HEAD_DIM)
-            for start in range(0, max_pages, BLOCK_P):
-                page = start + tl.arange(0, BLOCK_P)
-                valid = page < num_pages
-                offsets = meta_row + page[:, None].to(tl.int64) * HEAD_DIM + dims[None, :]
-                kmin = tl.load(kmin_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
-                kmax = tl.load(kmax_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
-                if REDUCE_SUM:
-                    score = tl.zeros([BLOCK_P], dtype=tl.float32)
-                else:
-                    score = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
-                for g in tl.static_range(GROUP):
-                    q = tl.load(query_ptr + (row.to(tl.int64) * GROUP + g) * HEAD_DIM + dims).to(tl.float32)
-                    bound = tl.sum(tl.maximum(q[None, :] * kmax, q[None, :] * kmin), axis=1)
-                    if REDUCE_SUM:
-                        score += bound
-                    else:
-                        score = tl.maximum(score, bound)
-                score = tl.where((page == 0) | (page == num_pages - 1), float("inf"), score)
-                tl.store(row_scores + page, score, mask=valid)
-            tl.debug_barrier()
+            page = tl.arange(0, BLOCK_S)
+            valid = page < num_pages
+            key = _order_key(tl.load(scores_ptr + index.to(tl.int64) * scores_stride + page, mask=valid,
+                                     other=0.0)).to(tl.int64)
             # The K-th largest key by bisection: the largest t with count(key >= t) >= K.
             low = tl.full([], -2147483648, tl.int64)
             high = tl.full([], 2147483647, tl.int64)
             for _ in range(32):
                 middle = (low + high + 1) // 2
-                above = tl.zeros([], dtype=tl.int32)
-                for start in range(0, max_pages, BLOCK_P):
-                    page = start + tl.arange(0, BLOCK_P)
-                    valid = page < num_pages
-                    key = _order_key(tl.load(row_scores + page, mask=valid, other=0.0)).to(tl.int64)
-                    above += tl.sum((valid & (key >= middle)).to(tl.int32))
+                above = tl.sum((valid & (key >= middle)).to(tl.int32))
                 if above >= K:
                     low = middle
                 else:
                     high = middle - 1
-            greater = tl.zeros([], dtype=tl.int32)
-            for start in range(0, max_pages, BLOCK_P):
-                page = start + tl.arange(0, BLOCK_P)
-                valid = page < num_pages
-                key = _order_key(tl.load(row_scores + page, mask=valid, other=0.0)).to(tl.int64)
-                greater += tl.sum((valid & (key > low)).to(tl.int32))
-            ties_wanted = K - greater
-            # Chosen pages in ascending order (the tail, the highest page, lands last); ties to lower pages.
-            row_pages = pages_ptr + pid.to(tl.int64) * K
-            written = tl.zeros([], dtype=tl.int32)
-            ties_seen = tl.zeros([], dtype=tl.int32)
-            for start in range(0, max_pages, BLOCK_P):
-                page = start + tl.arange(0, BLOCK_P)
-                valid = page < num_pages
-                key = _order_key(tl.load(row_scores + page, mask=valid, other=0.0)).to(tl.int64)
-                tie = valid & (key == low)
-                tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0) - 1
-                chosen = valid & ((key > low) | (tie & (tie_rank < ties_wanted)))
-                position = written + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-                tl.store(row_pages + position, page, mask=chosen)
-                written += tl.sum(chosen.to(tl.int32))
-                ties_seen += tl.sum(tie.to(tl.int32))
-            tl.debug_barrier()
-            pages = tl.load(row_pages + k_offsets, mask=in_row, other=0)
-        listed = k_offsets < tl.minimum(num_pages, K)
-        slots = tl.load(table_ptr + pid.to(tl.int64) * table_capacity + pages, mask=listed, other=-1)
-        lengths = tl.where(pages == num_pages - 1, last_len, PAGE_SIZE)
-        _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, k_offsets, slots, lengths, listed,
-                   K, BLOCK_K, WRITE_FLAT)
+            ties_wanted = K - tl.sum((valid & (key > low)).to(tl.int32))
+            # Chosen pages in ascending order (the tail, the highest page, lands last); ties go to lower pages.
+            tie = valid & (key == low)
+            chosen = valid & ((key > low) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= ties_wanted)))
+            position = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+            chosen_slot = tl.load(table_row + page, mask=chosen, other=-1)
+            chosen_length = tl.where(page == num_pages - 1, last_len, PAGE_SIZE)
+            _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, position, chosen_slot, chosen_length,
+                       chosen, K, WRITE_TABLE, WRITE_FLAT)
     else:
         selected = tl.load(selected_ptr + index.to(tl.int64) * (K - 1) + k_offsets, mask=k_offsets < K - 1,
                            other=-1)
@@ -143,55 +151,80 @@ def _decode_table_kernel(
         first_slot = stable_base + index.to(tl.int64) * K
         positions = tl.cumsum(held.to(tl.int32), axis=0) - 1
         _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, positions, first_slot + k_offsets,
-                   tl.full([BLOCK_K], PAGE_SIZE, tl.int32), held, K, BLOCK_K, WRITE_FLAT)
+                   tl.full([BLOCK_K], PAGE_SIZE, tl.int32), held, K, WRITE_TABLE, WRITE_FLAT)
         tail = k_offsets == 0
         _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, count + k_offsets,
-                   first_slot + K - 1 + k_offsets, last_len + k_offsets, tail, K, BLOCK_K, WRITE_FLAT)
+                   first_slot + K - 1 + k_offsets, last_len + k_offsets, tail, K, WRITE_TABLE, WRITE_FLAT)
 
 
-def decode_table(
-    query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, table: torch.Tensor | None,
-    selected: torch.Tensor | None,
-    num_tokens: torch.Tensor, unstable_heads: torch.Tensor, stable_heads: torch.Tensor, stable_base: int,
-    pages_per_head: int, page_size: int, group_reduce: str, max_pages: int, flat: torch.Tensor | None = None,
-    indptr: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``(slots, page_lens)`` table ``[B * H, K]`` of one layer's decode step.
+@dataclass
+class TableInputs:
+    """Everything one layer's decode table reads. Tensors must keep their storage for a captured CUDA graph.
 
-    Args:
-        query: ``[B * H, G, D]`` rows of queries (row ``b * H + h``).
-        kmin, kmax: ``[B, H, P, D]`` page min/max of every head.
-        table: ``[B, hu, P']`` pool slot of every page of the unstable heads (``None`` if there are none).
-        selected: ``[B * hs, K - 1]`` pages held by the stable heads' selection slots (``None`` if none).
-        num_tokens: ``[B]`` real tokens per request (after this step's token).
-        unstable_heads, stable_heads: int32 head indices of the two classes.
-        stable_base: first pool slot of the stable heads' slot range.
-        max_pages: pages of the longest request (loop bound).
-        flat, indptr: FlashInfer index buffer and ``[B * H + 1]`` row offsets to fill too (optional).
+    ``query``: ``[B * H, G, D]`` rows of queries (row ``b * H + h``); ``kmin``/``kmax``: ``[B, H, P, D]`` page
+    min/max; ``table``: ``[B, hu, P']`` pool slot of every page of the unstable heads (``None`` if none);
+    ``selected``: ``[B * hs, K - 1]`` pages held by the stable heads' selection slots (``None`` if none);
+    ``num_tokens``: ``[B]`` real tokens per request (after this step's token); ``unstable_heads`` /
+    ``stable_heads``: head indices of the two classes; ``stable_base``: first pool slot of the stable rows.
     """
-    rows, group, head_dim = query.shape
-    batch = num_tokens.shape[0]
-    num_unstable, num_stable = unstable_heads.numel(), stable_heads.numel()
-    device = query.device
-    slots = torch.empty(rows, pages_per_head, dtype=torch.long, device=device)
-    lens = torch.empty_like(slots)
-    meta_capacity = kmin.shape[2]
-    scores_stride = max(meta_capacity, 1)
-    scores = torch.empty(max(batch * num_unstable, 1), scores_stride, dtype=torch.float32, device=device)
-    pages = torch.empty(max(batch * num_unstable, 1), pages_per_head, dtype=torch.int32, device=device)
-    unused = slots  # stands in for absent tensors; never read
+
+    query: torch.Tensor
+    kmin: torch.Tensor
+    kmax: torch.Tensor
+    table: torch.Tensor | None
+    selected: torch.Tensor | None
+    num_tokens: torch.Tensor
+    unstable_heads: torch.Tensor
+    stable_heads: torch.Tensor
+    stable_base: int
+    pages_per_head: int
+    page_size: int
+    group_reduce: str
+
+
+def fits_fused_table(meta_capacity: int) -> bool:
+    """Whether the fused selection can hold a row of ``meta_capacity`` pages in registers."""
+    return meta_capacity <= MAX_SCORED_PAGES
+
+
+def scores_buffer(inputs: TableInputs) -> torch.Tensor:
+    """``[B * hu, P]`` fp32 scratch for the unstable rows' page scores (allocate once per capacity)."""
+    rows = max(inputs.num_tokens.shape[0] * inputs.unstable_heads.numel(), 1)
+    return torch.empty(rows, max(inputs.kmin.shape[2], 1), dtype=torch.float32, device=inputs.query.device)
+
+
+def decode_table(inputs: TableInputs, scores: torch.Tensor, flat: torch.Tensor | None = None,
+                 indptr: torch.Tensor | None = None, table_out: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> None:
+    """Score, select and list one layer's pages: fill ``flat`` at ``indptr`` (FlashInfer's index buffer and its
+    ``[B * H + 1]`` row offsets) and/or ``table_out = (slots, page_lens)``, both ``[B * H, K]`` (padded)."""
+    rows, group, head_dim = inputs.query.shape
+    batch = inputs.num_tokens.shape[0]
+    num_unstable, num_stable = inputs.unstable_heads.numel(), inputs.stable_heads.numel()
+    capacity = inputs.kmin.shape[2]
+    if not fits_fused_table(capacity):
+        raise ValueError(f"fused decode table holds at most {MAX_SCORED_PAGES} pages per row, got {capacity}")
+    unused = inputs.num_tokens  # an int64 stand-in for absent tensors (never read or written)
+    if num_unstable:
+        grid = (batch * num_unstable, triton.cdiv(capacity, SCORE_BLOCK))
+        _score_pages_kernel[grid](
+            inputs.query, inputs.kmin, inputs.kmax, inputs.num_tokens, inputs.unstable_heads, scores, num_unstable,
+            rows // batch, capacity, scores.shape[1], K=inputs.pages_per_head, PAGE_SIZE=inputs.page_size,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_P=SCORE_BLOCK, REDUCE_SUM=inputs.group_reduce == "sum",
+        )
+    block_scores = triton.next_power_of_2(max(capacity, 16))
+    slots, lens = table_out if table_out is not None else (unused, unused)
     _decode_table_kernel[(batch * (num_unstable + num_stable),)](
-        query, kmin, kmax,
-        table if num_unstable else unused, selected if num_stable else unused, num_tokens,
-        unstable_heads if num_unstable else unused, stable_heads if num_stable else unused, scores, pages, slots,
-        lens, flat if flat is not None else unused, indptr if indptr is not None else unused,
-        batch * num_unstable, max(num_unstable, 1), max(num_stable, 1), rows // batch, meta_capacity,
-        table.shape[2] if num_unstable else 0, stable_base, scores_stride, max_pages,
-        K=pages_per_head, PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_P=128,
-        BLOCK_K=triton.next_power_of_2(pages_per_head), REDUCE_SUM=group_reduce == "sum",
-        WRITE_FLAT=flat is not None,
+        scores, inputs.table if num_unstable else unused, inputs.selected if num_stable else unused,
+        inputs.num_tokens, inputs.unstable_heads if num_unstable else unused,
+        inputs.stable_heads if num_stable else unused, slots, lens, flat if flat is not None else unused,
+        indptr if indptr is not None else unused, batch * num_unstable, max(num_unstable, 1), max(num_stable, 1),
+        rows // batch, inputs.table.shape[2] if num_unstable else 0, inputs.stable_base, scores.shape[1],
+        K=inputs.pages_per_head, PAGE_SIZE=inputs.page_size,
+        BLOCK_K=triton.next_power_of_2(inputs.pages_per_head), BLOCK_S=block_scores,
+        WRITE_TABLE=table_out is not None, WRITE_FLAT=flat is not None,
+        num_warps=max(4, min(16, block_scores // 256)),
     )
-    return slots, lens
 
 
 @triton.jit

@@ -1,0 +1,114 @@
+"""One layer's CUDA decode step (token append, page scoring, selection, sparse FlashInfer decode) as a CUDA graph.
+
+Launched one by one from Python, the four small kernels of a layer's decode step cost more host time than the GPU
+spends on them. :class:`DecodeGraph` captures them once and replays them at every later step. The captured
+kernels read every per-step value from storage that never moves: the layer's static query/key/value buffers
+(filled by three copies per step), the device's :class:`StepInputs` (filled once per step for all layers) and
+FlashInfer's plan buffers (filled by the step's ``plan()``). Whatever reallocates (page pool, page metadata or
+page table growth, a new plan wrapper) changes the graph's storage key, and the next step re-captures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from flexicache.sequence import AppendPlan
+
+
+class StepInputs:
+    """Per-step values of one device in storage that never moves: ``[3, B]`` int64 rows ``num_tokens`` (real
+    tokens after the step's token), ``page`` and ``offset`` (where the step's token goes)."""
+
+    def __init__(self, batch_size: int, device: torch.device) -> None:
+        self.values = torch.zeros(3, batch_size, dtype=torch.long, device=device)
+        self._loaded: AppendPlan | None = None
+
+    def load(self, plan: AppendPlan) -> StepInputs:
+        """Copy a single-token plan's values in (once per step: later calls with the same plan do nothing)."""
+        if plan is not self._loaded:
+            for row, tensor in enumerate((plan.after, plan.page, plan.offset)):
+                self.values[row].copy_(tensor, non_blocking=True)
+            self._loaded = plan
+        return self
+
+    @property
+    def num_tokens(self) -> torch.Tensor:
+        return self.values[0]
+
+    @property
+    def page(self) -> torch.Tensor:
+        return self.values[1]
+
+    @property
+    def offset(self) -> torch.Tensor:
+        return self.values[2]
+
+
+class DecodeGraph:
+    """Static buffers of one layer's decode step and its captured CUDA graph.
+
+    Args:
+        batch_size, num_kv_heads, group, head_dim: ``B``, ``H``, ``G``, ``D``.
+        capture: ``False`` launches the same kernels eagerly at every step (for debugging and comparison).
+    """
+
+    def __init__(self, batch_size: int, num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, capture: bool = True) -> None:
+        self.keys = torch.zeros(batch_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.query = torch.zeros(batch_size * num_kv_heads, group, head_dim, dtype=dtype, device=device)
+        self.output = torch.zeros_like(self.query)
+        self.scores: torch.Tensor | None = None  # [B * hu, P] fp32 scratch, sized by the caller
+        self.capture = capture
+        self.captures = 0
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._storage_key: tuple | None = None
+
+    def load(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
+        """Copy the step's ``keys``/``values`` ``[B, H, D]`` and ``query`` ``[B * H, G, D]`` in."""
+        self.keys.copy_(keys)
+        self.values.copy_(values)
+        self.query.copy_(query)
+
+    def run(self, launch: Callable[[], None], storage_key: tuple) -> torch.Tensor:
+        """Replay the graph, or launch eagerly and capture for the next steps when ``storage_key`` changed.
+
+        ``launch`` must read and write only this object's buffers and storage that ``storage_key`` identifies.
+        Returns the output buffer ``[B * H, G, D]`` (overwritten by the next step).
+        """
+        if self._graph is not None and storage_key == self._storage_key:
+            self._graph.replay()
+            return self.output
+        launch()  # this step's work; also compiles the kernels before any capture
+        if self.capture:
+            self._graph = _capture(launch, self.output.device)
+            self._storage_key = storage_key
+            self.captures += 1
+        return self.output
+
+
+def _capture(launch: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
+    """Record ``launch`` on a side stream (nothing runs) and order the current stream after it."""
+    graph = torch.cuda.CUDAGraph()
+    current = torch.cuda.current_stream(device)
+    stream = _capture_stream(device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        graph.capture_begin()  # a private pool: the kernels allocate nothing, so it stays empty
+        try:
+            launch()
+        finally:
+            graph.capture_end()
+    current.wait_stream(stream)
+    return graph
+
+
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream(device)
+    return _streams[device]
