@@ -177,3 +177,28 @@ def test_cuda_graph_decode_matches_eager_launches() -> None:
     captures = [layer.graph.captures for layer in graphed.layers]
     assert all(1 <= count <= 10 for count in captures), captures  # replayed; re-captured on growth only
     assert graphed.stats()["promoted_pages"] == caches[False].stats()["promoted_pages"] > 0
+
+
+def test_zero_copy_transfers_match_torch_indexing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Promotions and tail retirements through the zero-copy kernels leave exactly the state torch indexing does."""
+    model = tiny_model(4)
+    profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim, unstable_heads=[(0, 1), (3, 0)])
+    ids = torch.randint(0, 512, (2, 600), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :91] = 0
+    results = {}
+    for zero_copy in (True, False):
+        monkeypatch.setattr("flexicache.offload.triton_available", lambda zero_copy=zero_copy: zero_copy)
+        cache = FlexiCache.from_model(model, profile=profile, token_budget=64, backend="flashinfer")
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+        layers = [layer for layer in cache.layers if layer.offloaded is not None]
+        assert all(layer.offloaded.zero_copy is zero_copy for layer in layers)
+        state = [tensor.clone() for layer in layers for tensor in
+                 (layer.offloaded.selected, layer.pool.k, layer.pool.v, layer.offloaded.host.k, layer.offloaded.host.v)]
+        results[zero_copy] = torch.stack(out.logits), state, cache.stats()
+    assert torch.equal(results[True][0], results[False][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[True][1], results[False][1]))
+    assert results[True][2]["promoted_pages"] == results[False][2]["promoted_pages"] > 0
+    assert results[True][2]["bytes_d2h"] == results[False][2]["bytes_d2h"] > 0

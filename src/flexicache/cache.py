@@ -416,8 +416,8 @@ class FlexiLayer(CacheLayerMixin):
             stats["host_kv_bytes"] += used_pages * len(self.stable_heads) * page_bytes
             stats["host_reserved_bytes"] += self.offloaded.host.nbytes_reserved
             stats["reranks_stable"] = counters.reranks
-            stats["promoted_pages"] = counters.promoted_pages
-            stats["bytes_h2d"] = counters.bytes_h2d
+            stats["promoted_pages"] = int(counters.promoted_pages)
+            stats["bytes_h2d"] = int(counters.bytes_h2d)
             stats["bytes_d2h"] = counters.bytes_d2h
         return stats
 

@@ -5,6 +5,10 @@ them) and the last one for the tail page (the page being written, 1..ps tokens).
 tier. A rerank scores every full page from the device-resident min/max metadata and copies only the newly
 promoted pages to the device; a tail page that fills is copied to the host and takes over a selected slot
 until the next rerank decides.
+
+On CUDA with Triton, page moves between the pinned host tier and the device run as zero-copy kernels
+(:mod:`flexicache.backends.triton_transfer`) driven by device-side indices: reranks, promotions and tail
+retirements never synchronise the host with the device. Elsewhere they use torch indexing.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flexicache.backends import triton_available
 from flexicache.paging import PagePool
 from flexicache.selection import select_pages
 from flexicache.sequence import AppendPlan
@@ -20,7 +25,11 @@ from flexicache.sequence import AppendPlan
 
 @dataclass
 class TransferCounters:
-    """Host <-> device traffic and rerank work of one layer's stable heads."""
+    """Host <-> device traffic and rerank work of one layer's stable heads.
+
+    ``promoted_pages`` and ``bytes_h2d`` may be 0-d device tensors (counted without a sync); read them with
+    ``int()``.
+    """
 
     reranks: int = 0  # row reranks (one row = one request x one head)
     promoted_pages: int = 0
@@ -79,6 +88,7 @@ class OffloadedPages:
         self.host = HostTier(batch_size, num_heads, page_size, head_dim, dtype, pin_memory=device.type == "cuda")
         self.counters = TransferCounters()
         self.steps_since_rerank = 0
+        self.zero_copy = device.type == "cuda" and triton_available()
 
     @property
     def num_rows(self) -> int:
@@ -106,24 +116,24 @@ class OffloadedPages:
         but never the sink) until the next rerank.
         """
         page = (plan.before[batch] - 1) // self.page_size  # [n] the full tail page of each request
-        self.host.reserve(int(plan.before_host.max()) // self.page_size)
+        self._reserve_host(int(plan.before_host.max()) // self.page_size)
         tail_slots = self._tail_slots(batch)
         self._offload_tails(batch, page, tail_slots)
         rows = (batch.unsqueeze(1) * self.num_heads + torch.arange(self.num_heads, device=batch.device)).reshape(-1)
         # Victim: an empty slot first, else the lowest-scored page. The sink (page 0) is never evicted: earlier
         # retired tails (score +inf until the next rerank) rank just below it, and a row whose only occupied slot
-        # is the sink keeps its page on the host until the next rerank.
+        # is the sink keeps its page on the host until the next rerank (its copy below lands on itself).
         selected = self.selected[rows]
         keep = self.selected_scores[rows].clamp(max=torch.finfo(self.selected_scores.dtype).max)
         keep = keep.masked_fill(selected == 0, float("inf")).masked_fill(selected < 0, float("-inf"))
         lowest, victim = keep.min(dim=1)
-        evictable = (lowest < float("inf")).nonzero().view(-1)
-        rows, victim, tail_slots = rows[evictable], victim[evictable], tail_slots[evictable]
-        target = self.base + rows * self.k + victim
+        evictable = lowest < float("inf")
+        target = torch.where(evictable, self.base + rows * self.k + victim, tail_slots)
         self.pool.k[target] = self.pool.k[tail_slots]
         self.pool.v[target] = self.pool.v[tail_slots]
-        self.selected[rows, victim] = page.repeat_interleave(self.num_heads)[evictable]
-        self.selected_scores[rows, victim] = float("inf")
+        held = self.selected[rows, victim]
+        self.selected[rows, victim] = torch.where(evictable, page.repeat_interleave(self.num_heads), held)
+        self.selected_scores[rows, victim] = torch.where(evictable, float("inf"), self.selected_scores[rows, victim])
 
     def tail_slots(self) -> torch.Tensor:
         """``[B, h]`` tail slot of every row."""
@@ -131,19 +141,47 @@ class OffloadedPages:
         return self._tail_slots(torch.arange(batch_size, device=self.pool.k.device)).view(batch_size, -1)
 
     def _offload_tails(self, batch: torch.Tensor, page: torch.Tensor, tail_slots: torch.Tensor) -> None:
-        """Copy the tail slots of requests ``batch`` to host page ``page`` (one per request)."""
-        shape = (batch.numel(), self.num_heads, self.page_size, self.pool.k.shape[-1])
-        batch_host, page_host = batch.cpu(), page.cpu()
-        self.host.k[batch_host, :, page_host] = self.pool.k[tail_slots].view(shape).cpu()
-        self.host.v[batch_host, :, page_host] = self.pool.v[tail_slots].view(shape).cpu()
+        """Copy the tail slots ``[n * h]`` of requests ``batch [n]`` to host page ``page [n]`` (one per request)."""
+        rows = (batch.unsqueeze(1) * self.num_heads + torch.arange(self.num_heads, device=batch.device)).reshape(-1)
+        host_pages = rows * self.host.k.shape[2] + page.repeat_interleave(self.num_heads)
+        self._copy_pages(self._device_pages(), self._host_pages(), tail_slots, host_pages,
+                         torch.ones_like(rows, dtype=torch.bool))
         self.counters.bytes_d2h += self._page_bytes(batch.numel() * self.num_heads)
+
+    def _device_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.k, self.pool.v
+
+    def _host_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host tier as ``[B * h * P, ps, D]`` pages: page ``p`` of row ``r`` is ``r * P + p``."""
+        shape = (-1, *self.host.k.shape[3:])
+        return self.host.k.view(shape), self.host.v.view(shape)
+
+    def _copy_pages(self, source: tuple[torch.Tensor, torch.Tensor], target: tuple[torch.Tensor, torch.Tensor],
+                    source_index: torch.Tensor, target_index: torch.Tensor, mask: torch.Tensor) -> None:
+        """``target[target_index[i]] = source[source_index[i]]`` (keys and values) where ``mask[i]``."""
+        if self.zero_copy:
+            from flexicache.backends.triton_transfer import copy_pages
+
+            copy_pages(source, target, source_index, target_index, mask)
+            return
+        chosen = mask.nonzero().view(-1)
+        source_index = source_index[chosen].to(source[0].device)
+        target_index = target_index[chosen].to(target[0].device)
+        for source_pages, target_pages in zip(source, target):
+            target_pages[target_index] = source_pages[source_index].to(target_pages.device)
+
+    def _reserve_host(self, num_pages: int) -> None:
+        """Grow the host tier; on CUDA wait first for the kernels that may still read or write the old one."""
+        if num_pages > self.host.k.shape[2] and self.zero_copy:
+            torch.cuda.synchronize(self.pool.k.device)
+        self.host.reserve(num_pages)
 
     def append_chunk(self, new_keys: torch.Tensor, new_values: torch.Tensor, plan: AppendPlan) -> None:
         """Several tokens (prefill or extend, ``[N, h, D]`` in plan order): everything goes to the host tier.
 
         The caller reranks right after, which fills the selection slots; the tail slot is refreshed here.
         """
-        self.host.reserve(plan.max_pages_after)
+        self._reserve_host(plan.max_pages_after)
         started = (plan.before_host > 0).nonzero().view(-1).to(self.pool.k.device)
         if started.numel():  # the old tail page may be partial and exist on the device only
             self._offload_tails(started, (plan.before[started] - 1) // self.page_size, self._tail_slots(started))
@@ -180,20 +218,26 @@ class OffloadedPages:
         in_new = self._membership(new_pages, width)
         in_old = self._membership(old_pages, width)
         keep = (old_pages >= 0) & in_new.gather(1, old_pages.clamp(min=0).clamp(max=width))
-        promoted = in_new & ~in_old
-        promoted[:, width] = False
-        # Pair the r-th promoted page of a row with the r-th free slot of that row.
+        promoted = (new_pages >= 0) & ~in_old.gather(1, new_pages.clamp(min=0))  # over the new pages' entries
+        # Pair the r-th promoted page of a row with its r-th free slot (column ``slots_per_row`` takes the rest).
+        dump = slots_per_row
         free = ~keep
-        free_rank = free.long().cumsum(1) - 1
-        free_slot_by_rank = torch.full_like(old_pages, -1)
-        free_rows, free_cols = free.nonzero(as_tuple=True)
-        free_slot_by_rank[free_rows, free_rank[free_rows, free_cols]] = free_cols
-        promo_rows, promo_pages = promoted.nonzero(as_tuple=True)
-        promo_rank = promoted.long().cumsum(1)[promo_rows, promo_pages] - 1
-        target_cols = free_slot_by_rank[promo_rows, promo_rank]
-        self._promote(promo_rows, promo_pages, self.base + promo_rows * self.k + target_cols)
-        selected = torch.where(keep, old_pages, -1)
-        selected[promo_rows, target_cols] = promo_pages
+        columns = torch.arange(slots_per_row, device=keep.device).expand_as(keep)
+        slot_of_rank = torch.full((keep.shape[0], slots_per_row + 1), dump, dtype=torch.long, device=keep.device)
+        slot_of_rank.scatter_(1, torch.where(free, free.long().cumsum(1) - 1, dump), columns)
+        target_cols = slot_of_rank.gather(1, torch.where(promoted, promoted.long().cumsum(1) - 1, dump))
+        target_cols = torch.where(promoted, target_cols, dump)
+        rows = torch.arange(keep.shape[0], device=keep.device).unsqueeze(1)
+        self._copy_pages(self._host_pages(), self._device_pages(),
+                         (rows * self.host.k.shape[2] + new_pages.clamp(min=0)).view(-1),
+                         (self.base + rows * self.k + target_cols.clamp(max=slots_per_row - 1)).view(-1),
+                         promoted.view(-1))
+        count = promoted.sum()
+        self.counters.promoted_pages = self.counters.promoted_pages + count
+        self.counters.bytes_h2d = self.counters.bytes_h2d + count * self._page_bytes(1)
+        selected = torch.cat([torch.where(keep, old_pages, -1), old_pages.new_full((keep.shape[0], 1), -1)], 1)
+        selected.scatter_(1, target_cols, new_pages)
+        selected = selected[:, :slots_per_row]
         self.selected.copy_(selected)  # in place: captured decode graphs read this storage
         page_scores = scores.gather(1, selected.clamp(min=0)).to(self.selected_scores.dtype)
         page_scores = page_scores.masked_fill(selected == 0, float("inf"))
@@ -204,18 +248,6 @@ class OffloadedPages:
         """``[R, width + 1]`` bool: page ``p`` is listed in the row (column ``width`` collects the -1 padding)."""
         member = torch.zeros(pages.shape[0], width + 1, dtype=torch.bool, device=pages.device)
         return member.scatter_(1, pages.masked_fill(pages < 0, width), True)
-
-    def _promote(self, rows: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
-        """Copy host pages (``rows``/``pages`` ``[n]``) into device ``slots [n]`` with one gather per tensor."""
-        if rows.numel() == 0:
-            return
-        host_k = self.host.k.view(-1, *self.host.k.shape[2:])  # [B * h, P, ps, D]
-        host_v = self.host.v.view(-1, *self.host.v.shape[2:])
-        rows_host, pages_host = rows.cpu(), pages.cpu()
-        self.pool.k[slots] = host_k[rows_host, pages_host].to(self.pool.k.device, non_blocking=True)
-        self.pool.v[slots] = host_v[rows_host, pages_host].to(self.pool.v.device, non_blocking=True)
-        self.counters.promoted_pages += rows.numel()
-        self.counters.bytes_h2d += self._page_bytes(rows.numel())
 
     # ----------------------------------------------------------------------------------------------- decode
 
@@ -238,7 +270,9 @@ class OffloadedPages:
         Args:
             num_tokens: ``[B]`` real tokens per request (CPU).
         """
-        self.host.reserve(num_pages)
+        self._reserve_host(num_pages)
+        if self.zero_copy:  # kernels may still write the host tier
+            torch.cuda.synchronize(self.pool.k.device)
         keys = self.host.k[:, :, :num_pages].clone()
         values = self.host.v[:, :, :num_pages].clone()
         nonempty = (num_tokens > 0).nonzero().view(-1)
