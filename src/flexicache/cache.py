@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-from flexicache import attention
+from flexicache import attention, parallel
 from flexicache.backends import DecodeBackend, DecodeLayout, build_decode_layout, resolve_backend, triton_available
 from flexicache.config import FlexiCacheConfig
 from flexicache.decode_graph import DecodeGraph, StepInputs
@@ -64,7 +64,8 @@ class FlexiLayer(CacheLayerMixin):
         if num_heads != self.num_kv_heads:
             raise ValueError(
                 f"Layer {self.layer_idx} received {num_heads} KV heads but the HeadProfile/config has "
-                f"{self.num_kv_heads}; build the cache from this model's config."
+                f"{self.num_kv_heads}; build the cache from this model's config (under tensor parallelism with "
+                "FlexiCache.from_model(model), which keeps this rank's KV heads)."
             )
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch_size, self.head_dim = batch_size, head_dim
@@ -495,8 +496,10 @@ class FlexiCache(DynamicCache):
     @classmethod
     def from_model(cls, model: torch.nn.Module, profile: HeadProfile | str | os.PathLike | None = None,
                    **settings: Any) -> FlexiCache:
-        """Switch ``model`` to the flexicache attention and build a cache for it."""
-        cache = cls(model.config, profile=profile, **settings)  # validate first: bad input leaves the model as is
+        """Switch ``model`` to the flexicache attention and build a cache for it (under tensor parallelism: this
+        rank's KV heads, with the profile sliced to them)."""
+        config, profile = parallel.local_view(model, profile)
+        cache = cls(config, profile=profile, **settings)  # validate first: bad input leaves the model as is
         if model.config._attn_implementation != attention.ATTENTION_NAME:
             model.set_attn_implementation(attention.ATTENTION_NAME)
         return cache
@@ -544,10 +547,11 @@ class FlexiCache(DynamicCache):
                      layer.decode_steps) for layer in self.layers]
         self.reset()
         for (layer, keys, values), (unstable_counters, stable_counters, decode_steps) in zip(contents, counters):
-            layer.lazy_initialization(keys, values)
-            plan = self.sequence.plan_chunk(0, None if bool(valid.all()) else valid.to(layer.device),
-                                            keys.shape[0], keys.shape[2], layer.device)
-            layer.append(keys, values, plan)
+            with attention.on_device(layer.device):
+                layer.lazy_initialization(keys, values)
+                plan = self.sequence.plan_chunk(0, None if bool(valid.all()) else valid.to(layer.device),
+                                                keys.shape[0], keys.shape[2], layer.device)
+                layer.append(keys, values, plan)
             layer.logical_length = keys.shape[2]
             layer.unstable_counters, layer.decode_steps = unstable_counters, decode_steps
             if layer.offloaded is not None:
@@ -574,7 +578,8 @@ class FlexiCache(DynamicCache):
                 totals[name] = totals.get(name, 0) + value
         first = self.layers[0]
         totals["decode_steps"] = first.decode_steps
-        totals["backend"] = first.backend.name if first.is_initialized else None
+        backends = sorted({layer.backend.name for layer in self.layers if layer.is_initialized})
+        totals["backend"] = ",".join(backends) if backends else None  # e.g. "flashinfer,reference" on GPU + CPU
         totals["unstable_heads"] = len(self.profile.unstable_heads)
         totals["token_budget"] = self.settings.token_budget
         return totals

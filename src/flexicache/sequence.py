@@ -67,14 +67,18 @@ class AppendPlan:
 
 
 class SequenceState:
-    """Real-token bookkeeping of a batch: validity of logical positions and real-token counts per request."""
+    """Real-token bookkeeping of a batch: validity of logical positions and real-token counts per request.
+
+    Layers may live on different devices (``device_map``): the validity stays on the CPU, where every layer can index
+    its own tensors with it, and each plan is computed on the device of the layer that asks first.
+    """
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         self.reset()
 
     def reset(self) -> None:
-        self.valid: torch.Tensor | None = None  # [B, capacity] bool, logical positions holding real tokens
+        self.valid: torch.Tensor | None = None  # [B, capacity] bool on the CPU, logical positions holding real tokens
         self.logical_length = 0
         self.num_tokens: torch.Tensor | None = None  # [B] long, on the device
         self.num_tokens_host: torch.Tensor | None = None  # [B] long, on the CPU
@@ -108,14 +112,14 @@ class SequenceState:
         if self.num_tokens is None:
             self.num_tokens = torch.zeros(batch_size, dtype=torch.long, device=device)
             self.num_tokens_host = torch.zeros(batch_size, dtype=torch.long)
-            self.valid = torch.zeros(batch_size, max(64, 2 * length), dtype=torch.bool, device=device)
+            self.valid = torch.zeros(batch_size, max(64, 2 * length), dtype=torch.bool)
         if batch_size != self.batch_size:
             raise ValueError(
                 f"FlexiCache holds a batch of {self.batch_size} requests, got {batch_size}: call cache.reset() "
                 "(or build a new FlexiCache) before starting another batch."
             )
-        self._store_validity(valid, length, device)
-        before, before_host = self.num_tokens, self.num_tokens_host
+        self._store_validity(valid, length)
+        before, before_host = self.num_tokens.to(device), self.num_tokens_host
         page_size = self.page_size
         if valid is None:
             batch = torch.arange(batch_size, device=device).repeat_interleave(length)
@@ -150,15 +154,15 @@ class SequenceState:
             is_single_token=valid is None and length == 1,
         )
 
-    def _store_validity(self, valid: torch.Tensor | None, length: int, device: torch.device) -> None:
+    def _store_validity(self, valid: torch.Tensor | None, length: int) -> None:
         start, end = self.logical_length, self.logical_length + length
         if end > self.valid.shape[1]:
-            grown = torch.zeros(self.batch_size, 2 * end, dtype=torch.bool, device=device)
+            grown = torch.zeros(self.batch_size, 2 * end, dtype=torch.bool)
             grown[:, :start] = self.valid[:, :start]
             self.valid = grown
         self.valid[:, start:end] = True if valid is None else valid
         self.logical_length = end
 
     def logical_valid(self) -> torch.Tensor:
-        """``[B, logical_length]`` bool: which logical positions hold real tokens."""
+        """``[B, logical_length]`` bool on the CPU: which logical positions hold real tokens."""
         return self.valid[:, : self.logical_length]
