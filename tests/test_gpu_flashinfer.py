@@ -113,7 +113,7 @@ def test_host_tier_round_trip_is_bit_exact() -> None:
         model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, do_sample=False)
         model.generate(ids, attention_mask=mask, past_key_values=dense, max_new_tokens=40, do_sample=False)
     assert cache.layers[0].offloaded.host.k.is_pinned()
-    real = cache.sequence.logical_valid()[:, : ids.shape[1]]
+    real = cache.sequence.logical_valid()[:, : ids.shape[1]].to("cuda")
     for flexi_layer, dense_layer in zip(cache.layers, dense.layers):
         keys, values = flexi_layer.read_logical()
         length = ids.shape[1]  # generated tokens may differ (sparse budget); the prompt's KV must not
