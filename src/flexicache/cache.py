@@ -508,6 +508,9 @@ class FlexiCache(DynamicCache):
 
     def reset(self) -> None:
         attention.clear_staged()
+        for layer in self.layers:  # queued zero-copy kernels may still use the pinned host tier about to be freed
+            if layer.is_initialized and layer.offloaded is not None and layer.offloaded.zero_copy:
+                torch.cuda.synchronize(layer.device)
         self.sequence.reset()
         self.step_inputs.clear()
         super().reset()

@@ -185,6 +185,8 @@ class OffloadedPages:
         started = (plan.before_host > 0).nonzero().view(-1).to(self.pool.k.device)
         if started.numel():  # the old tail page may be partial and exist on the device only
             self._offload_tails(started, (plan.before[started] - 1) // self.page_size, self._tail_slots(started))
+            if self.zero_copy:  # that kernel writes the whole page: let it land before the CPU adds tokens to it
+                torch.cuda.synchronize(self.pool.k.device)
         batch_host, page_host, offset_host = plan.batch.cpu(), plan.page.cpu(), plan.offset.cpu()
         self.host.k[batch_host, :, page_host, offset_host] = new_keys.to("cpu", self.host.k.dtype)
         self.host.v[batch_host, :, page_host, offset_host] = new_values.to("cpu", self.host.v.dtype)

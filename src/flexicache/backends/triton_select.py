@@ -28,8 +28,9 @@ SCORE_BLOCK = 64  # pages per scoring program
 
 @triton.jit
 def _order_key(scores):
-    """fp32 -> int32 keys with the same order (negative floats have their magnitude bits flipped)."""
-    bits = scores.to(tl.int32, bitcast=True)
+    """fp32 -> int32 keys with the same order (negative floats have their magnitude bits flipped; -0.0 and +0.0
+    tie, as in ``torch.sort``)."""
+    bits = tl.where(scores == 0, 0.0, scores).to(tl.int32, bitcast=True)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
