@@ -31,6 +31,10 @@ def test_zero_copy_transfers_match_torch_indexing() -> None:
     run_interpreted("transfers")
 
 
+def test_graph_path_replays_what_it_captured() -> None:
+    run_interpreted("graph")
+
+
 def tiny_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -106,5 +110,121 @@ def check_transfers() -> None:
     assert results[True][2]["bytes_d2h"] == results[False][2]["bytes_d2h"] > 0
 
 
+class PlannedBuffers:
+    """What FlashInfer's CUDA-graph-mode wrapper holds: the index buffer and the planned row layout."""
+
+    def __init__(self, rows: int, pages_per_head: int) -> None:
+        self.indices = torch.zeros(rows * pages_per_head + 1, dtype=torch.int32)
+        self.indptr = torch.zeros(rows + 1, dtype=torch.int32)
+        self.last_page_len = torch.zeros(rows, dtype=torch.int32)
+
+
+class FlashInferStandIn:
+    """The FlashInfer backend's graph-path interface in plain torch: attention over the pages listed in the planned
+    index buffer (``indices[indptr[r]:indptr[r + 1]]``, tail last with ``last_page_len`` tokens)."""
+
+    name = "flashinfer-stand-in"
+
+    def __init__(self, launches: list) -> None:
+        self.launches = launches
+        self.buffers: dict[tuple[int, int], PlannedBuffers] = {}
+        self.scale = 1.0
+
+    def prepare(self, layout, group, head_dim, page_size, pages_per_head, dtype, scale) -> PlannedBuffers:
+        rows = layout.row_last_page_len_host.numel()
+        planned = self.buffers.setdefault((rows, pages_per_head), PlannedBuffers(rows, pages_per_head))
+        planned.indptr.copy_(layout.row_indptr_host)
+        planned.last_page_len.copy_(layout.row_last_page_len_host)
+        self.scale = scale
+        return planned
+
+    def run_prepared(self, planned, query, pool_k, pool_v, out):
+        self.launches.append(("flashinfer", query.data_ptr(), pool_k.data_ptr(), pool_k.shape, out.data_ptr(),
+                              planned.indices.data_ptr(), self.scale))
+        page_size, head_dim = pool_k.shape[1:]
+        for row in range(query.shape[0]):
+            start, end = int(planned.indptr[row]), int(planned.indptr[row + 1])
+            slots = planned.indices[start:end].long()
+            length = (end - start - 1) * page_size + int(planned.last_page_len[row])
+            keys = pool_k[slots].reshape(-1, head_dim)[:length].float()
+            values = pool_v[slots].reshape(-1, head_dim)[:length].float()
+            weights = torch.softmax(query[row].float() @ keys.T * self.scale, dim=-1)
+            out[row] = (weights @ values).to(out.dtype)
+        return out
+
+
+def check_graph() -> None:
+    """The CUDA path on CPU tensors: Triton kernels interpreted, FlashInfer replaced by a torch stand-in that reads
+    the planned index buffer, and each layer's "graph" replaced by a recorder. At every step where a captured graph
+    would replay, the launches must match the captured ones exactly (tensor storage, shapes and scalars), i.e.
+    nothing the graph reads moved without a re-capture; through left padding, reranks, promotions, tail retirements,
+    growth, a crop and a continued generate. Tokens must equal the torch reference path's."""
+    from flexicache import FlexiCache, HeadProfile, cache, decode_graph
+    from flexicache.backends import triton_select
+
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    launches: list = []
+    for name in ("_score_pages_kernel", "_decode_table_kernel", "_append_token_kernel"):
+        kernel = getattr(triton_select, name)
+
+        def recorded(grid, kernel=kernel, name=name):
+            def launch(*args, **kwargs):
+                launches.append((name, grid, *[(a.data_ptr(), a.shape) if torch.is_tensor(a) else a for a in args],
+                                 *sorted(kwargs.items())))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+        setattr(triton_select, name, type(name, (), {"__getitem__": staticmethod(recorded)})())
+    mismatches = []
+
+    def run(self, launch, storage_key):
+        start = len(launches)
+        launch()
+        record = launches[start:]
+        if getattr(self, "record", None) is not None and storage_key == self._storage_key:
+            if record != self.record:
+                mismatches.append(next(pair for pair in zip(record, self.record) if pair[0] != pair[1]))
+        else:
+            self.record, self._storage_key = record, storage_key
+            self.captures += 1
+        return self.output
+
+    model = tiny_model()
+    profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
+    ids, mask = padded_batch()
+    original = (cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run)
+
+    def lazy_initialization(self, keys, values):
+        original[1](self, keys, values)
+        self.fused_table = True
+        if self.offloaded is not None:
+            self.offloaded.zero_copy = True
+
+    tokens = {}
+    for mode in ("graph", "reference"):
+        if mode == "graph":
+            cache.resolve_backend = lambda name, device: FlashInferStandIn(launches)
+            cache.FlexiLayer.lazy_initialization = lazy_initialization
+            decode_graph.DecodeGraph.run = run
+        else:
+            cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run = original
+        flexi = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4)
+        with torch.inference_mode():
+            first = model.generate(ids, attention_mask=mask, past_key_values=flexi, max_new_tokens=40, do_sample=False)
+            flexi.crop(-9)
+            more = torch.cat([first[:, :-9], torch.randint(0, 512, (3, 7), generator=torch.Generator().manual_seed(1))],
+                             dim=1)
+            more_mask = torch.cat([mask, torch.ones(3, more.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+            second = model.generate(more, attention_mask=more_mask, past_key_values=flexi, max_new_tokens=30,
+                                    do_sample=False)
+        tokens[mode] = first, second
+        if mode == "graph":
+            captures = [layer.graph.captures for layer in flexi.layers]
+            assert all(1 <= count <= 12 for count in captures), captures  # most steps replay
+            assert flexi.stats()["promoted_pages"] > 0
+    assert not mismatches, mismatches[:1]
+    assert all(torch.equal(a, b) for a, b in zip(tokens["graph"], tokens["reference"]))
+
+
 if __name__ == "__main__":
-    {"table": check_table, "transfers": check_transfers}[sys.argv[1]]()
+    {"table": check_table, "transfers": check_transfers, "graph": check_graph}[sys.argv[1]]()
