@@ -1,0 +1,62 @@
+"""The Triton kernels compile for the GPU the benchmarks run on (sm_90, bf16), on a machine without a GPU.
+
+Catches what Triton's interpreter (tests/test_triton_interpreted.py) accepts but its compiler rejects, e.g. a
+variable whose type differs between the branches of an ``if``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+compiler = pytest.importorskip("triton.compiler")
+backends = pytest.importorskip("triton.backends.compiler")
+
+from flexicache.backends import triton_select, triton_transfer  # noqa: E402
+
+BF16_POINTERS = ("query_ptr", "kmin_ptr", "kmax_ptr", "keys_ptr", "values_ptr", "pool_k_ptr", "pool_v_ptr",
+                 "src_k_ptr", "src_v_ptr", "dst_k_ptr", "dst_v_ptr")
+
+
+def compile_for_hopper(kernel, constants: dict[str, object], pointer_types: dict[str, str] | None = None) -> None:
+    """Compile ``kernel`` with every ``*_ptr`` typed (bf16 data, int64 indices unless overridden), scalars int32."""
+    names = kernel.arg_names
+    pointer_types = pointer_types or {}
+    signature = {}
+    for name in names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointer_types.get(name, "*bf16" if name in BF16_POINTERS else "*i64")
+        else:
+            signature[name] = "i32"
+    try:
+        source = compiler.ASTSource(fn=kernel, signature=signature,
+                                    constexprs={(names.index(name),): value for name, value in constants.items()})
+    except TypeError as error:  # another Triton release spells the source API differently
+        pytest.skip(f"triton {triton.__version__}: ASTSource API differs ({error})")
+    triton.compile(source, target=backends.GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+@pytest.mark.parametrize("reduce_sum", [False, True])
+def test_score_pages_kernel_compiles(reduce_sum: bool) -> None:
+    compile_for_hopper(triton_select._score_pages_kernel,
+                       dict(K=64, PAGE_SIZE=16, GROUP=4, HEAD_DIM=128, BLOCK_P=64, REDUCE_SUM=reduce_sum),
+                       {"scores_ptr": "*fp32"})
+
+
+@pytest.mark.parametrize("write_table, write_flat", [(False, True), (True, False)])
+def test_decode_table_kernel_compiles(write_table: bool, write_flat: bool) -> None:
+    flat = {"flat_ptr": "*i32", "indptr_ptr": "*i32"} if write_flat else {}
+    compile_for_hopper(triton_select._decode_table_kernel,
+                       dict(K=64, PAGE_SIZE=16, BLOCK_K=64, BLOCK_S=4096, WRITE_TABLE=write_table,
+                            WRITE_FLAT=write_flat), {"scores_ptr": "*fp32", **flat})
+
+
+def test_append_token_kernel_compiles() -> None:
+    compile_for_hopper(triton_select._append_token_kernel, dict(PAGE_SIZE=16, HEAD_DIM=128))
+
+
+@pytest.mark.parametrize("page", [2048, 1536])
+def test_copy_pages_kernel_compiles(page: int) -> None:
+    compile_for_hopper(triton_transfer._copy_pages_kernel, dict(PAGE=page, BLOCK=2048), {"mask_ptr": "*i1"})
