@@ -14,6 +14,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
+from transfer_checks import assert_same_transfer_outcome, transfer_outcome  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from flexicache import FlexiCache, HeadProfile  # noqa: E402
@@ -193,12 +194,6 @@ def test_zero_copy_transfers_match_torch_indexing(monkeypatch: pytest.MonkeyPatc
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True)
-        layers = [layer for layer in cache.layers if layer.offloaded is not None]
-        assert all(layer.offloaded.zero_copy is zero_copy for layer in layers)
-        state = [tensor.clone() for layer in layers for tensor in
-                 (layer.offloaded.selected, layer.pool.k, layer.pool.v, layer.offloaded.host.k, layer.offloaded.host.v)]
-        results[zero_copy] = torch.stack(out.logits), state, cache.stats()
-    assert torch.equal(results[True][0], results[False][0])
-    assert all(torch.equal(a, b) for a, b in zip(results[True][1], results[False][1]))
-    assert results[True][2]["promoted_pages"] == results[False][2]["promoted_pages"] > 0
-    assert results[True][2]["bytes_d2h"] == results[False][2]["bytes_d2h"] > 0
+        assert all(layer.offloaded.zero_copy is zero_copy for layer in cache.layers if layer.offloaded is not None)
+        results[zero_copy] = transfer_outcome(cache, out.logits)
+    assert_same_transfer_outcome(results[True], results[False])

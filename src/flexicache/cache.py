@@ -9,7 +9,7 @@ step; stable heads keep only their selected pages plus the tail page on the devi
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from transformers import DynamicCache
@@ -24,6 +24,9 @@ from flexicache.paging import PageMetadata, PagePool, ResidentPages, chunk_token
 from flexicache.profile import HeadProfile, model_shape
 from flexicache.selection import quest_page_scores, select_pages
 from flexicache.sequence import AppendPlan, SequenceState
+
+if TYPE_CHECKING:
+    from flexicache.backends.triton_select import TableInputs
 
 
 class FlexiLayer(CacheLayerMixin):
@@ -239,8 +242,7 @@ class FlexiLayer(CacheLayerMixin):
         if self.offloaded is not None:  # reads full pages only, so it may run before the token is written
             self.offloaded.steps_since_rerank += 1
             if self.offloaded.steps_since_rerank >= self.settings.rerank_interval:
-                stable_query = rows_query.view(batch_size, self.num_kv_heads, -1, head_dim)[:, self.stable_index]
-                self._rerank_stable(stable_query.flatten(0, 1), plan)
+                self._rerank_stable(self._group_queries(query[:, :, 0], self.stable_index), plan)
         keys, values = chunk.keys[:, :, 0], chunk.values[:, :, 0]
         if self._graph_ready(rows_query):
             output = self._decode_graphed(keys, values, rows_query, plan, scale)
@@ -261,7 +263,7 @@ class FlexiLayer(CacheLayerMixin):
 
     def _decode_graphed(self, keys: torch.Tensor, values: torch.Tensor, rows_query: torch.Tensor,
                         plan: AppendPlan, scale: float) -> torch.Tensor:
-        from flexicache.backends.triton_select import TableInputs, append_token, decode_table, scores_buffer
+        from flexicache.backends.triton_select import append_token, decode_table, scores_buffer
 
         graph, pages_per_head = self.graph, self.settings.pages_per_head
         planned = self.backend.prepare(self._decode_layout(plan), rows_query.shape[1], self.head_dim,
@@ -270,12 +272,7 @@ class FlexiLayer(CacheLayerMixin):
             self.step_inputs[self.device] = StepInputs(self.batch_size, self.device)
         step = self.step_inputs[self.device].load(plan)
         graph.load(keys, values, rows_query)
-        resident, offloaded = self.resident, self.offloaded
-        inputs = TableInputs(
-            graph.query, self.meta.kmin, self.meta.kmax, resident.table if resident else None,
-            offloaded.selected if offloaded else None, step.num_tokens, self.unstable_index, self.stable_index,
-            offloaded.base if offloaded else 0, pages_per_head, self.settings.page_size, self.settings.group_reduce,
-        )
+        inputs = self._table_inputs(graph.query, step.num_tokens)
         if graph.scores is None or graph.scores.shape[1] < inputs.kmin.shape[2]:
             graph.scores = scores_buffer(inputs)
         scores = graph.scores
@@ -299,6 +296,19 @@ class FlexiLayer(CacheLayerMixin):
         return self.backend.paged_decode(rows_query, self.pool.k, self.pool.v, slots, page_lens, scale,
                                          self._decode_layout(plan))
 
+    def _table_inputs(self, rows_query: torch.Tensor, num_tokens: torch.Tensor) -> TableInputs:
+        """What the Triton table kernels read: this layer's metadata, page tables and selections, with
+        ``rows_query [B * H, G, D]`` and ``num_tokens [B]`` (real tokens after this step's token)."""
+        from flexicache.backends.triton_select import TableInputs
+
+        resident, offloaded = self.resident, self.offloaded
+        return TableInputs(
+            rows_query, self.meta.kmin, self.meta.kmax, resident.table if resident else None,
+            offloaded.selected if offloaded else None, num_tokens, self.unstable_index, self.stable_index,
+            offloaded.base if offloaded else 0, self.settings.pages_per_head, self.settings.page_size,
+            self.settings.group_reduce,
+        )
+
     def _fused_table_fits(self) -> bool:
         """Whether the Triton kernels can build this step's table (CUDA, Triton, rows short enough)."""
         if not self.fused_table:
@@ -309,15 +319,9 @@ class FlexiLayer(CacheLayerMixin):
 
     def _fused_table(self, rows_query: torch.Tensor, plan: AppendPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """The Triton kernels' ``(slots, page_lens)`` table, ``[B * H, K]`` (same contract as the torch one)."""
-        from flexicache.backends.triton_select import TableInputs, decode_table, scores_buffer
+        from flexicache.backends.triton_select import decode_table, scores_buffer
 
-        resident, offloaded = self.resident, self.offloaded
-        inputs = TableInputs(
-            rows_query.contiguous(), self.meta.kmin, self.meta.kmax, resident.table if resident else None,
-            offloaded.selected if offloaded else None, plan.after, self.unstable_index, self.stable_index,
-            offloaded.base if offloaded else 0, self.settings.pages_per_head, self.settings.page_size,
-            self.settings.group_reduce,
-        )
+        inputs = self._table_inputs(rows_query.contiguous(), plan.after)
         slots = torch.empty(rows_query.shape[0], self.settings.pages_per_head, dtype=torch.long, device=self.device)
         page_lens = torch.empty_like(slots)
         decode_table(inputs, scores_buffer(inputs), table_out=(slots, page_lens))

@@ -99,10 +99,13 @@ class OffloadedPages:
         """Bytes of this class's device slots."""
         return self._page_bytes(self.num_rows * self.k)
 
+    def _rows_of(self, batch: torch.Tensor) -> torch.Tensor:
+        """``[n * h]`` rows (``b * h + head``) of requests ``batch [n]``."""
+        return (batch.unsqueeze(1) * self.num_heads + torch.arange(self.num_heads, device=batch.device)).reshape(-1)
+
     def _tail_slots(self, batch: torch.Tensor) -> torch.Tensor:
         """``[n * h]`` tail slots of the rows of requests ``batch [n]``."""
-        heads = torch.arange(self.num_heads, device=batch.device)
-        return (self.base + (batch.unsqueeze(1) * self.num_heads + heads) * self.k + self.k - 1).reshape(-1)
+        return self.base + self._rows_of(batch) * self.k + self.k - 1
 
     def _page_bytes(self, num_pages: int) -> int:
         return 2 * num_pages * self.pool.k.shape[1] * self.pool.k.shape[2] * self.pool.k.element_size()
@@ -119,7 +122,7 @@ class OffloadedPages:
         self._reserve_host(int(plan.before_host.max()) // self.page_size)
         tail_slots = self._tail_slots(batch)
         self._offload_tails(batch, page, tail_slots)
-        rows = (batch.unsqueeze(1) * self.num_heads + torch.arange(self.num_heads, device=batch.device)).reshape(-1)
+        rows = self._rows_of(batch)
         # Victim: an empty slot first, else the lowest-scored page. The sink (page 0) is never evicted: earlier
         # retired tails (score +inf until the next rerank) rank just below it, and a row whose only occupied slot
         # is the sink keeps its page on the host until the next rerank (its copy below lands on itself).
@@ -142,7 +145,7 @@ class OffloadedPages:
 
     def _offload_tails(self, batch: torch.Tensor, page: torch.Tensor, tail_slots: torch.Tensor) -> None:
         """Copy the tail slots ``[n * h]`` of requests ``batch [n]`` to host page ``page [n]`` (one per request)."""
-        rows = (batch.unsqueeze(1) * self.num_heads + torch.arange(self.num_heads, device=batch.device)).reshape(-1)
+        rows = self._rows_of(batch)
         host_pages = rows * self.host.k.shape[2] + page.repeat_interleave(self.num_heads)
         self._copy_pages(self._device_pages(), self._host_pages(), tail_slots, host_pages,
                          torch.ones_like(rows, dtype=torch.bool))

@@ -1,0 +1,25 @@
+"""Shared by the GPU tests and the Triton-interpreter checks (both must import without conftest: the GPU host runs
+pytest with ``--noconftest`` and has no hypothesis): compare what two runs of the host-tier paths left behind."""
+
+from __future__ import annotations
+
+import torch
+
+from flexicache import FlexiCache
+
+
+def transfer_outcome(cache: FlexiCache, logits: tuple[torch.Tensor, ...]) -> tuple:
+    """What a generation left behind in the host tier's paths: logits, the stable heads' selections, device pools and
+    host tiers (cloned), and the cache's counters. Compare two with :func:`assert_same_transfer_outcome`."""
+    layers = [layer for layer in cache.layers if layer.offloaded is not None]
+    state = [tensor.clone() for layer in layers for tensor in
+             (layer.offloaded.selected, layer.pool.k, layer.pool.v, layer.offloaded.host.k, layer.offloaded.host.v)]
+    return torch.stack(logits), state, cache.stats()
+
+
+def assert_same_transfer_outcome(one: tuple, other: tuple) -> None:
+    """Bit-exact logits and state, equal transfer counters, and transfers that really happened."""
+    assert torch.equal(one[0], other[0])
+    assert all(torch.equal(a, b) for a, b in zip(one[1], other[1]))
+    assert one[2]["promoted_pages"] == other[2]["promoted_pages"] > 0
+    assert one[2]["bytes_d2h"] == other[2]["bytes_d2h"] > 0
