@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,10 @@ def test_decode_rows_consistent(bench):
     assert len(decode) == len(CPU["decode_contexts"]) * len(CPU["decode_batches"]) * len(CPU["decode_systems"])
     loops = {loop["batch"]: loop for loop in results["loop"]}
     for row in decode:
+        assert row["rounds"] == len(row["round_p50_ms"]) == CPU["decode_rounds"] == 2
+        assert len(row["step_samples_ms"]) == CPU["decode_rounds"] * CPU["steps"]  # the rounds' steps pooled
+        assert row["step_ms_p50"] == pytest.approx(statistics.median(row["step_samples_ms"]))
+        assert min(row["round_p50_ms"]) <= row["step_ms_p50"] <= max(row["round_p50_ms"])
         assert row["step_ms_p99"] >= row["step_ms_p50"] > 0
         assert row["tokens_per_s"] == pytest.approx(1000 * row["batch"] / row["step_ms_p50"])
         if not loops[row["batch"]]["consistent"]:  # an inconsistent calibration gives no estimate

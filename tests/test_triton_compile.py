@@ -15,7 +15,7 @@ backends = pytest.importorskip("triton.backends.compiler")
 from flexicache.backends import triton_select, triton_transfer  # noqa: E402
 
 BF16_POINTERS = ("query_ptr", "kmin_ptr", "kmax_ptr", "keys_ptr", "values_ptr", "pool_k_ptr", "pool_v_ptr",
-                 "src_k_ptr", "src_v_ptr", "dst_k_ptr", "dst_v_ptr")
+                 "src_k_ptr", "src_v_ptr", "dst_k_ptr", "dst_v_ptr", "host_k_ptr", "host_v_ptr")
 
 
 def compile_for_hopper(kernel, constants: dict[str, object], pointer_types: dict[str, str] | None = None) -> None:
@@ -60,3 +60,10 @@ def test_append_token_kernel_compiles() -> None:
 @pytest.mark.parametrize("page", [2048, 1536])
 def test_copy_pages_kernel_compiles(page: int) -> None:
     compile_for_hopper(triton_transfer._copy_pages_kernel, dict(PAGE=page, BLOCK=2048), {"mask_ptr": "*i1"})
+
+
+@pytest.mark.parametrize("slots_per_row", [63, 1])
+def test_retire_tails_kernel_compiles(slots_per_row: int) -> None:
+    compile_for_hopper(triton_transfer._retire_tails_kernel,
+                       dict(K=slots_per_row + 1, PAGE_SIZE=16, PAGE=2048, BLOCK=2048,
+                            BLOCK_K=triton.next_power_of_2(slots_per_row)), {"scores_ptr": "*fp32"})

@@ -81,7 +81,8 @@ def check_table() -> None:
 
 
 def check_transfers() -> None:
-    """Promotions and tail retirements through the zero-copy kernel leave the state torch indexing leaves."""
+    """Promotions and tail retirements through the zero-copy kernels leave the state torch indexing leaves; with a
+    rerank interval of 48 several tails retire between two reranks (each takes over the lowest-scored slot)."""
     from transfer_checks import assert_same_transfer_outcome, transfer_outcome
 
     from flexicache import FlexiCache, HeadProfile, offload
@@ -90,21 +91,22 @@ def check_transfers() -> None:
     model = tiny_model()
     profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1)])
     ids, mask = padded_batch()
-    results = {}
     original_init = offload.OffloadedPages.__init__
-    for zero_copy in (True, False):
-        def init(self, *args, zero_copy=zero_copy, **kwargs):
-            original_init(self, *args, **kwargs)
-            self.zero_copy = zero_copy
+    for rerank_interval in (16, 48):
+        results = {}
+        for zero_copy in (True, False):
+            def init(self, *args, zero_copy=zero_copy, **kwargs):
+                original_init(self, *args, **kwargs)
+                self.zero_copy = zero_copy
 
-        offload.OffloadedPages.__init__ = init
-        cache = FlexiCache.from_model(model, profile=profile, token_budget=64)
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True)
-        assert all(layer.offloaded.zero_copy is zero_copy for layer in cache.layers if layer.offloaded is not None)
-        results[zero_copy] = transfer_outcome(cache, out.logits)
-    assert_same_transfer_outcome(results[True], results[False])
+            offload.OffloadedPages.__init__ = init
+            cache = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=rerank_interval)
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40,
+                                     do_sample=False, output_logits=True, return_dict_in_generate=True)
+            assert all(layer.offloaded.zero_copy is zero_copy for layer in cache.layers if layer.offloaded is not None)
+            results[zero_copy] = transfer_outcome(cache, out.logits)
+        assert_same_transfer_outcome(results[True], results[False])
 
 
 class PlannedBuffers:

@@ -13,7 +13,8 @@ def transfer_outcome(cache: FlexiCache, logits: tuple[torch.Tensor, ...]) -> tup
     host tiers (cloned), and the cache's counters. Compare two with :func:`assert_same_transfer_outcome`."""
     layers = [layer for layer in cache.layers if layer.offloaded is not None]
     state = [tensor.clone() for layer in layers for tensor in
-             (layer.offloaded.selected, layer.pool.k, layer.pool.v, layer.offloaded.host.k, layer.offloaded.host.v)]
+             (layer.offloaded.selected, layer.offloaded.selected_scores, layer.pool.k, layer.pool.v,
+              layer.offloaded.host.k, layer.offloaded.host.v)]
     return torch.stack(logits), state, cache.stats()
 
 

@@ -23,7 +23,7 @@ from flexicache.offload import OffloadedPages, TransferCounters
 from flexicache.paging import PageMetadata, PagePool, ResidentPages, chunk_tokens
 from flexicache.profile import HeadProfile, model_shape
 from flexicache.selection import quest_page_scores, select_pages
-from flexicache.sequence import AppendPlan, SequenceState
+from flexicache.sequence import AppendPlan, SequenceState, host_to_device
 
 if TYPE_CHECKING:
     from flexicache.backends.triton_select import TableInputs
@@ -186,7 +186,7 @@ class FlexiLayer(CacheLayerMixin):
                          plan.page, plan.offset)
             return
         self.meta.append(keys, plan)
-        offsets = self._per_step(plan, "token_offsets", lambda: plan.offset.repeat_interleave(self.num_kv_heads))
+        offsets = self._per_step(plan, "token_offsets", lambda: self._rows(plan.offset, self.num_kv_heads))
         slots = self.write_slots.view(-1)
         self.pool.k[slots, offsets] = keys.reshape(-1, self.head_dim).to(self.dtype)
         self.pool.v[slots, offsets] = values.reshape(-1, self.head_dim).to(self.dtype)
@@ -205,7 +205,7 @@ class FlexiLayer(CacheLayerMixin):
         return grouped.index_select(1, heads).flatten(0, 1)
 
     def _rows(self, per_request: torch.Tensor, num_heads: int) -> torch.Tensor:
-        return per_request.repeat_interleave(num_heads)
+        return per_request.repeat_interleave(num_heads, output_size=per_request.numel() * num_heads)  # no sync
 
     def _rerank_stable(self, query: torch.Tensor, plan: AppendPlan) -> None:
         """Rerank every stable row with ``query [B * hs, G, D]`` over its full pages (the tail page is not read)."""
@@ -431,7 +431,7 @@ def _requests_with_full_tail(plan: AppendPlan, device: torch.device) -> torch.Te
     """``[n]`` requests whose tail page filled up before this single-token step (``None`` if none)."""
     page_size = plan.page_size
     full = (plan.before_host > 0) & (plan.before_host % page_size == 0)
-    return full.nonzero().view(-1).to(device) if bool(full.any()) else None
+    return host_to_device(full.nonzero().view(-1), device) if bool(full.any()) else None
 
 
 def check_supported_model(config: Any) -> None:

@@ -103,6 +103,10 @@ class OffloadedPages:
         """``[n * h]`` rows (``b * h + head``) of requests ``batch [n]``."""
         return (batch.unsqueeze(1) * self.num_heads + torch.arange(self.num_heads, device=batch.device)).reshape(-1)
 
+    def _per_row(self, per_request: torch.Tensor) -> torch.Tensor:
+        """``[n * h]``: each value of ``per_request [n]`` repeated for the request's rows (no device sync)."""
+        return per_request.repeat_interleave(self.num_heads, output_size=per_request.numel() * self.num_heads)
+
     def _tail_slots(self, batch: torch.Tensor) -> torch.Tensor:
         """``[n * h]`` tail slots of the rows of requests ``batch [n]``."""
         return self.base + self._rows_of(batch) * self.k + self.k - 1
@@ -116,10 +120,18 @@ class OffloadedPages:
         """Decode step: requests ``batch [n]`` (device) whose tail page is full move it out before their next token.
 
         The page goes to the host tier and takes over a selection slot (an empty one, else the lowest-scored page
-        but never the sink) until the next rerank.
+        but never the sink; the first such slot on ties) until the next rerank. On CUDA with Triton this is one
+        kernel launch (:func:`~flexicache.backends.triton_transfer.retire_tails`).
         """
-        page = (plan.before[batch] - 1) // self.page_size  # [n] the full tail page of each request
         self._reserve_host(int(plan.before_host.max()) // self.page_size)
+        if self.zero_copy:
+            from flexicache.backends.triton_transfer import retire_tails
+
+            retire_tails(self._device_pages(), self._host_pages(), self.selected, self.selected_scores, batch,
+                         plan.before, self.base, self.num_heads, self.host.k.shape[2], self.page_size)
+            self.counters.bytes_d2h += self._page_bytes(batch.numel() * self.num_heads)
+            return
+        page = (plan.before[batch] - 1) // self.page_size  # [n] the full tail page of each request
         tail_slots = self._tail_slots(batch)
         self._offload_tails(batch, page, tail_slots)
         rows = self._rows_of(batch)
@@ -129,13 +141,14 @@ class OffloadedPages:
         selected = self.selected[rows]
         keep = self.selected_scores[rows].clamp(max=torch.finfo(self.selected_scores.dtype).max)
         keep = keep.masked_fill(selected == 0, float("inf")).masked_fill(selected < 0, float("-inf"))
-        lowest, victim = keep.min(dim=1)
-        evictable = lowest < float("inf")
+        lowest = keep.min(dim=1, keepdim=True).values
+        victim = (keep == lowest).int().argmax(dim=1)  # the first slot holding the minimum
+        evictable = lowest.squeeze(1) < float("inf")
         target = torch.where(evictable, self.base + rows * self.k + victim, tail_slots)
         self.pool.k[target] = self.pool.k[tail_slots]
         self.pool.v[target] = self.pool.v[tail_slots]
         held = self.selected[rows, victim]
-        self.selected[rows, victim] = torch.where(evictable, page.repeat_interleave(self.num_heads), held)
+        self.selected[rows, victim] = torch.where(evictable, self._per_row(page), held)
         self.selected_scores[rows, victim] = torch.where(evictable, float("inf"), self.selected_scores[rows, victim])
 
     def tail_slots(self) -> torch.Tensor:
@@ -146,7 +159,7 @@ class OffloadedPages:
     def _offload_tails(self, batch: torch.Tensor, page: torch.Tensor, tail_slots: torch.Tensor) -> None:
         """Copy the tail slots ``[n * h]`` of requests ``batch [n]`` to host page ``page [n]`` (one per request)."""
         rows = self._rows_of(batch)
-        host_pages = rows * self.host.k.shape[2] + page.repeat_interleave(self.num_heads)
+        host_pages = rows * self.host.k.shape[2] + self._per_row(page)
         self._copy_pages(self._device_pages(), self._host_pages(), tail_slots, host_pages,
                          torch.ones_like(rows, dtype=torch.bool))
         self.counters.bytes_d2h += self._page_bytes(batch.numel() * self.num_heads)

@@ -66,6 +66,14 @@ class AppendPlan:
         return self._per_device[device]
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small CPU ``tensor`` on ``device``. On CUDA it is staged in pinned memory and copied asynchronously: a copy
+    from pageable memory may make the host wait for the device, once per decode step."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 class SequenceState:
     """Real-token bookkeeping of a batch: validity of logical positions and real-token counts per request.
 
@@ -121,9 +129,9 @@ class SequenceState:
         self._store_validity(valid, length)
         before, before_host = self.num_tokens.to(device), self.num_tokens_host
         page_size = self.page_size
-        if valid is None:
-            batch = torch.arange(batch_size, device=device).repeat_interleave(length)
-            chunk_pos = torch.arange(length, device=device).repeat(batch_size)
+        if valid is None:  # arange and integer division: repeat_interleave on CUDA would wait for the device
+            index = torch.arange(batch_size * length, device=device)
+            batch, chunk_pos = index // length, index % length
             tokens = before[batch] + chunk_pos
             after, after_host = before + length, before_host + length
         else:
@@ -145,8 +153,8 @@ class SequenceState:
             chunk_pos=chunk_pos,
             page=tokens // page_size,
             offset=tokens % page_size,
-            new_page_batch=new_page_batch.to(device),
-            new_page_index=new_page_index.to(device),
+            new_page_batch=host_to_device(new_page_batch, device),
+            new_page_index=host_to_device(new_page_index, device),
             before=before,
             after=after,
             before_host=before_host,

@@ -3,7 +3,8 @@
 Pinned host memory is mapped into the device's address space (unified addressing), so one kernel can read host
 pages into device slots (promotion) or write device pages into host pages (tail retirement) straight from index
 tensors that live on the device: the host never needs to know which pages move. Copies run on the current stream,
-ordered with the decode kernels around them.
+ordered with the decode kernels around them. :func:`retire_tails` also does the bookkeeping of a tail retirement
+(which selection slot the retired page takes over), so a page boundary costs one launch per layer.
 """
 
 from __future__ import annotations
@@ -41,4 +42,64 @@ def copy_pages(source: tuple[torch.Tensor, torch.Tensor], target: tuple[torch.Te
     _copy_pages_kernel[(mask.numel(),)](
         source[0], source[1], target[0], target[1], source_index, target_index, mask,
         PAGE=page, BLOCK=triton.next_power_of_2(page),
+    )
+
+
+@triton.jit
+def _retire_tails_kernel(pool_k_ptr, pool_v_ptr, host_k_ptr, host_v_ptr, selected_ptr, scores_ptr, batch_ptr,
+                         before_ptr, base, num_heads, host_pages_per_row,
+                         K: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    item = tl.program_id(0)
+    request = tl.load(batch_ptr + item // num_heads)
+    row = request * num_heads + item % num_heads
+    page = (tl.load(before_ptr + request) - 1) // PAGE_SIZE  # the full tail page
+    offsets = tl.arange(0, BLOCK)
+    inside = offsets < PAGE
+    tail = (base + row * K + K - 1) * PAGE
+    keys = tl.load(pool_k_ptr + tail + offsets, mask=inside)
+    values = tl.load(pool_v_ptr + tail + offsets, mask=inside)
+    host = (row * host_pages_per_row + page) * PAGE
+    tl.store(host_k_ptr + host + offsets, keys, mask=inside)
+    tl.store(host_v_ptr + host + offsets, values, mask=inside)
+    # Victim slot: an empty one (-inf) first, else the lowest-scored page, never the sink (page 0); first on ties.
+    columns = tl.arange(0, BLOCK_K)
+    listed = columns < K - 1
+    held = tl.load(selected_ptr + row * (K - 1) + columns, mask=listed, other=-1)
+    keep = tl.minimum(tl.load(scores_ptr + row * (K - 1) + columns, mask=listed, other=0.0), 3.4028234663852886e38)
+    keep = tl.where(held == 0, float("inf"), keep)
+    keep = tl.where(held < 0, float("-inf"), keep)
+    keep = tl.where(listed, keep, float("inf"))
+    if tl.min(keep, axis=0) < float("inf"):
+        victim = tl.argmin(keep, axis=0, tie_break_left=True)
+        target = (base + row * K + victim) * PAGE
+        tl.store(pool_k_ptr + target + offsets, keys, mask=inside)
+        tl.store(pool_v_ptr + target + offsets, values, mask=inside)
+        tl.store(selected_ptr + row * (K - 1) + victim, page)
+        tl.store(scores_ptr + row * (K - 1) + victim, float("inf"))
+
+
+def retire_tails(pool: tuple[torch.Tensor, torch.Tensor], host: tuple[torch.Tensor, torch.Tensor],
+                 selected: torch.Tensor, selected_scores: torch.Tensor, batch: torch.Tensor, before: torch.Tensor,
+                 base: int, num_heads: int, host_pages_per_row: int, page_size: int) -> None:
+    """Retire the full tail page of every stable row of requests ``batch``, in one launch (one program per row).
+
+    Each row's tail slot is copied to its host page, and into the selection slot the page takes over: an empty
+    slot, else the lowest-scored page other than the sink (first on ties); that slot then lists the page with
+    score ``+inf``. A row whose slots hold only the sink keeps the page on the host alone.
+
+    Args:
+        pool: the layer's device ``(k, v)`` pages ``[S, ps, D]``; row ``r``'s slots are ``base + r * K + j``.
+        host: the host tier ``(k, v)`` as pinned pages ``[R * P, ps, D]``, page ``p`` of row ``r`` at ``r * P + p``.
+        selected, selected_scores: ``[R, K - 1]`` int64 / fp32 selection state, updated in place.
+        batch: ``[n]`` int64 requests whose tail is full; ``before``: ``[B]`` int64 tokens before this step.
+    """
+    if batch.numel() == 0:
+        return
+    slots_per_row = selected.shape[1]
+    page = pool[0].shape[1] * pool[0].shape[2]
+    _retire_tails_kernel[(batch.numel() * num_heads,)](
+        pool[0], pool[1], host[0], host[1], selected, selected_scores, batch, before, base, num_heads,
+        host_pages_per_row, K=slots_per_row + 1, PAGE_SIZE=page_size, PAGE=page, BLOCK=triton.next_power_of_2(page),
+        BLOCK_K=triton.next_power_of_2(slots_per_row),
     )

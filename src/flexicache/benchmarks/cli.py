@@ -42,6 +42,7 @@ OPTIONS: dict[str, tuple[type, str | None, str]] = {
     "decode_contexts": (int, "+", "decode: context lengths"),
     "decode_batches": (int, "+", "decode: batch sizes"),
     "decode_systems": (str, "+", "decode: systems"),
+    "decode_rounds": (int, None, "decode: measurements per point, systems taking turns (step statistics pooled)"),
     "loop_context": (int, None, "context of the loop-cost calibration (DynamicCache, 1 and --layers layers)"),
     "offload_max_tokens": (int, None, "decode: skip dynamic-offload above batch x context tokens"),
     "attention_batch": (int, None, "attention-layer and rerank cases: batch (also the targets' batch)"),
@@ -110,8 +111,8 @@ def settings_from(args: argparse.Namespace) -> Any:
         budgets = {settings.budget} | {System(name).budget for name in names} - {None}
         for budget in budgets:
             FlexiCacheConfig(token_budget=budget, page_size=settings.page_size)
-        if settings.warmup < 1 or settings.steps < 1 or settings.layer_steps < 1:
-            raise ValueError("--warmup, --steps and --layer-steps must be at least 1")
+        if min(settings.warmup, settings.steps, settings.layer_steps, settings.decode_rounds) < 1:
+            raise ValueError("--warmup, --steps, --layer-steps and --decode-rounds must be at least 1")
         for low, high in (settings.mix_input, settings.mix_output):
             if not 1 <= low <= high:
                 raise ValueError("--mix-input and --mix-output take LOW HIGH with 1 <= LOW <= HIGH")

@@ -2,7 +2,9 @@
 
 Each measurement fills the cache with random keys/values (no prefill forward), then runs greedy ``generate``:
 ``--warmup`` steps (first-step set-up, JIT, the host tier's first growth) and ``--steps`` timed steps, each timed
-with a device synchronisation. On CUDA, ``--profile-steps`` more steps run under the torch profiler for the device
+with a device synchronisation. With ``--decode-rounds N`` every point is measured N times, the systems taking
+turns in alternating order (a slow stretch of the host hits every system alike); a row's step statistics are
+over the pooled steps of its rounds, and ``round_p50_ms`` keeps each round's median. On CUDA, ``--profile-steps`` more steps run under the torch profiler for the device
 busy time (kernels + copies), so that host-bound steps show as ``step time >> device time`` (at the targets' batch,
 ``--attention-batch``, only).
 
@@ -54,7 +56,7 @@ def decode_run(suite: Suite, model: Any, system: System, batch: int, context: in
     step_ms = step_ms[1:]  # the first step of a generate call carries its set-up
     after = counters(cache)
     row: dict[str, Any] = {"layers": model.config.num_hidden_layers, **summarize(step_ms),
-                           "warmup_max_ms": max(warm_ms[1:], default=None)}
+                           "warmup_max_ms": max(warm_ms[1:], default=None), "step_samples_ms": step_ms}
     row["tokens_per_s"] = 1000 * batch / row["step_ms_p50"]
     if profile_steps:
         busy = device_busy_ms(lambda: timed_generate(model, cache, sequences, profile_steps), suite.device)
@@ -158,12 +160,27 @@ def measurement_order(contexts: list[int], batches: list[int], context: int, bat
                                            point[1]))
 
 
-def measure(suite: Suite, model_name: str, model: Any, system: System, batch: int, context: int) -> dict[str, Any]:
-    """One decode measurement with its full-depth estimate (the first at a batch size runs its loop calibration)."""
+def measure(suite: Suite, model: Any, system: System, batch: int, context: int, first_round: bool
+            ) -> dict[str, Any]:
+    """One round of a decode measurement (the GPU busy time in the first round only)."""
     s = suite.settings
-    profile_steps = s.profile_steps if batch == s.attention_batch else 0  # the profiler costs seconds per run
-    row = decode_run(suite, model, system, batch, context, s.steps, profile_steps)
-    return with_full_depth(suite, model_name, batch, row)
+    profiled = first_round and batch == s.attention_batch  # the profiler costs seconds per run
+    return decode_run(suite, model, system, batch, context, s.steps, s.profile_steps if profiled else 0)
+
+
+def merge_rounds(rows: list[dict[str, Any]], batch: int) -> dict[str, Any]:
+    """One row from the rounds of a measurement: step statistics over the pooled steps, each round's p50 in
+    ``round_p50_ms``, the slowest warm-up step, and the rest (bytes, counters, GPU busy time) from the first round."""
+    merged = dict(rows[0])
+    samples = [ms for row in rows for ms in row["step_samples_ms"]]
+    merged.update(summarize(samples), step_samples_ms=samples, rounds=len(rows),
+                  round_p50_ms=[row["step_ms_p50"] for row in rows],
+                  warmup_max_ms=max((row["warmup_max_ms"] for row in rows if row["warmup_max_ms"] is not None),
+                                    default=None))
+    merged["tokens_per_s"] = 1000 * batch / merged["step_ms_p50"]
+    if "device_busy_ms" in merged:
+        merged["gpu_idle_share"] = max(0.0, 1 - merged["device_busy_ms"] / merged["step_ms_p50"])
+    return merged
 
 
 def run(suite: Suite, model_name: str, result: CaseResult) -> None:
@@ -179,6 +196,7 @@ def run(suite: Suite, model_name: str, result: CaseResult) -> None:
     model = suite.model(model_name)
     for context, batch in measurement_order(s.decode_contexts, s.decode_batches, s.attention_context,
                                             s.attention_batch, s.loop_context):
+        measured = []
         for system in systems(s.decode_systems):
             label = {"model": model_name, "system": system.name, "context": context, "batch": batch}
             if system.kind == "dynamic-offload" and (suite.device.type != "cuda"
@@ -186,4 +204,17 @@ def run(suite: Suite, model_name: str, result: CaseResult) -> None:
                 result.skipped.append(dict(label, reason="DynamicCache(offloading=True) needs CUDA; on CUDA it "
                                            "moves all KV both ways every step: limited by --offload-max-tokens"))
                 continue
-            suite.attempt(result, label, partial(measure, suite, model_name, model, system, batch, context))
+            measured.append((system, label))
+        rounds: dict[str, list[dict[str, Any]]] = {system.name: [] for system, _ in measured}
+        for index in range(s.decode_rounds):
+            for system, label in (measured if index % 2 == 0 else measured[::-1]):
+                if index and not rounds[system.name]:
+                    continue  # its first round failed or ran out of time
+                row = suite.attempt(result, label, partial(measure, suite, model, system, batch, context, index == 0),
+                                    record=False)
+                if row is not None:
+                    rounds[system.name].append(row)
+        for system, label in measured:
+            if rounds[system.name]:
+                suite.record(result, with_full_depth(suite, model_name, batch, merge_rounds(rounds[system.name],
+                                                                                            batch)))

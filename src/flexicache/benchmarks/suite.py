@@ -151,6 +151,7 @@ class Settings:
     decode_contexts: list[int] = field(default_factory=list)
     decode_batches: list[int] = field(default_factory=list)
     decode_systems: list[str] = field(default_factory=list)
+    decode_rounds: int = 1
     loop_context: int = 1024
     offload_max_tokens: int = 0
     # attention layer and rerank ablation
@@ -193,6 +194,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "steps": 32, "profile_steps": 4, "cases": ["memory", "decode", "rerank", "throughput", "mix"],
         "memory_contexts": [4096, 16384, 32768, 131072], "memory_systems": ALL_SYSTEMS_GPU[:5], "memory_steps": 20,
         "decode_contexts": [1024, 10240, 32768], "decode_batches": [1, 8, 32], "decode_systems": ALL_SYSTEMS_GPU,
+        "decode_rounds": 2,
         "loop_context": 1024, "offload_max_tokens": 4 * 32768,
         "attention_batch": 8, "attention_context": 32768, "budget": 1024, "layer_steps": 64,
         "throughput_context": 32768,
@@ -208,7 +210,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "memory_contexts": [128, 512], "memory_systems": ["dynamic", "dynamic-offload", "dense", "flexicache-64"],
         "memory_steps": 20,
         "decode_contexts": [128, 512], "decode_batches": [1, 2],
-        "decode_systems": ["dynamic", "dense", "flexicache-64", "quest-64"],
+        "decode_systems": ["dynamic", "dense", "flexicache-64", "quest-64"], "decode_rounds": 2,
         "loop_context": 128, "offload_max_tokens": 0,
         "attention_batch": 2, "attention_context": 512, "budget": 64, "layer_steps": 24,
         "throughput_context": 512, "throughput_systems": ["dynamic", "flexicache-64"],
@@ -308,9 +310,13 @@ class Suite:
 
     # ---------------------------------------------------------------------------------------------- guards
 
-    def attempt(self, result: CaseResult, label: dict[str, Any], measure: Callable[[], dict[str, Any] | None]
-                ) -> dict[str, Any] | None:
-        """Run one measurement unless time is up; a failure (OOM included) is recorded and the run goes on."""
+    def attempt(self, result: CaseResult, label: dict[str, Any], measure: Callable[[], dict[str, Any] | None],
+                record: bool = True) -> dict[str, Any] | None:
+        """Run one measurement unless time is up; a failure (OOM included) is recorded and the run goes on.
+
+        Returns the row (``label`` + the measurement); ``record=False`` leaves adding it to ``result`` to the caller
+        (:meth:`record`), e.g. after merging rounds.
+        """
         if self.out_of_time():
             result.skipped.append(dict(label, reason="time budget"))
             return None
@@ -324,9 +330,13 @@ class Suite:
             release(self.device)
         if row is not None:
             row = dict(label, **row)
-            result.rows.append(row)
-            print(f"[{self.elapsed():7.1f}s] {json.dumps(compact(row))}", flush=True)
+            if record:
+                self.record(result, row)
         return row
+
+    def record(self, result: CaseResult, row: dict[str, Any]) -> None:
+        result.rows.append(row)
+        print(f"[{self.elapsed():7.1f}s] {json.dumps(compact(row))}", flush=True)
 
     # ---------------------------------------------------------------------------------------------- output
 
