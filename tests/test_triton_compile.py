@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
 backends = pytest.importorskip("triton.backends.compiler")
 
-from flexicache.backends import triton_select, triton_transfer  # noqa: E402
+from flexicache.backends import triton_rerank, triton_select, triton_transfer  # noqa: E402
 
 BF16_POINTERS = ("query_ptr", "kmin_ptr", "kmax_ptr", "keys_ptr", "values_ptr", "pool_k_ptr", "pool_v_ptr",
                  "src_k_ptr", "src_v_ptr", "dst_k_ptr", "dst_v_ptr", "host_k_ptr", "host_v_ptr")
@@ -67,3 +67,10 @@ def test_retire_tails_kernel_compiles(slots_per_row: int) -> None:
     compile_for_hopper(triton_transfer._retire_tails_kernel,
                        dict(K=slots_per_row + 1, PAGE_SIZE=16, PAGE=2048, BLOCK=2048,
                             BLOCK_K=triton.next_power_of_2(slots_per_row)), {"scores_ptr": "*fp32"})
+
+
+@pytest.mark.parametrize("slots, block_s", [(63, 2048), (3, 16384)])
+def test_rerank_kernel_compiles(slots: int, block_s: int) -> None:
+    compile_for_hopper(triton_rerank._rerank_kernel,
+                       dict(SLOTS=slots, BLOCK_K=triton.next_power_of_2(slots), BLOCK_S=block_s),
+                       {"scores_ptr": "*fp32", "selected_scores_ptr": "*fp32", "copy_mask_ptr": "*i8"})

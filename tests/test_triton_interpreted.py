@@ -32,6 +32,10 @@ def test_zero_copy_transfers_match_torch_indexing() -> None:
     run_interpreted("transfers")
 
 
+def test_fused_rerank_matches_torch_rerank() -> None:
+    run_interpreted("rerank")
+
+
 def test_graph_path_replays_what_it_captured() -> None:
     run_interpreted("graph")
 
@@ -107,6 +111,44 @@ def check_transfers() -> None:
             assert all(layer.offloaded.zero_copy is zero_copy for layer in cache.layers if layer.offloaded is not None)
             results[zero_copy] = transfer_outcome(cache, out.logits)
         assert_same_transfer_outcome(results[True], results[False])
+
+
+def check_rerank() -> None:
+    """The fused rerank leaves the selection, scores, device slots and promotion count the torch rerank leaves:
+    rows with no, few (< K - 1) and many full pages, scores with ties everywhere (small integers, all zero), and
+    a selection state left by earlier reranks and tail retirements."""
+    import copy
+
+    from flexicache.offload import OffloadedPages
+    from flexicache.paging import PagePool
+
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, pages_per_head, page_size, head_dim, width = 3, 2, 5, 4, 8, 12
+    pool = PagePool(page_size, head_dim, torch.float32, torch.device("cpu"))
+    pages = OffloadedPages(pool, batch, heads, pages_per_head, page_size)
+    pages.host.reserve(width)
+    pages.host.k.copy_(torch.randn(pages.host.k.shape, generator=generator))
+    pages.host.v.copy_(torch.randn(pages.host.v.shape, generator=generator))
+    num_full = torch.tensor([0, 2, 12, 12, 7, 4])  # rows r = b * heads + head
+    draws = [torch.randint(0, 4, (6, width), generator=generator).float() for _ in range(3)]
+    draws += [torch.randn(6, width, generator=generator), torch.zeros(6, width)]
+    for fused in (True, False):
+        state = copy.deepcopy(pages)
+        state.zero_copy = fused
+        outcomes = []
+        for scores in draws:
+            state.rerank(scores, num_full)
+            outcomes.append((state.selected.clone(), state.selected_scores.clone(), state.pool.k.clone(),
+                             state.pool.v.clone(),
+                             int(state.counters.promoted_pages)))
+        if fused:
+            fused_outcomes = outcomes
+        else:
+            for got, want in zip(fused_outcomes, outcomes):
+                assert all(torch.equal(a, b) for a, b in zip(got[:4], want[:4])), (got[0], want[0])
+                assert got[4] == want[4]
+    assert outcomes[-1][4] > 0
 
 
 class PlannedBuffers:
@@ -226,4 +268,4 @@ def check_graph() -> None:
 
 
 if __name__ == "__main__":
-    {"table": check_table, "transfers": check_transfers, "graph": check_graph}[sys.argv[1]]()
+    {"table": check_table, "transfers": check_transfers, "rerank": check_rerank, "graph": check_graph}[sys.argv[1]]()

@@ -227,6 +227,14 @@ class OffloadedPages:
         """
         self.counters.reranks += self.num_rows
         self.steps_since_rerank = 0
+        if self.zero_copy:
+            from flexicache.backends.triton_rerank import fits_fused_rerank, rerank_rows
+
+            if fits_fused_rerank(scores.shape[1]):  # the same result as below, in two launches
+                promoted = rerank_rows(scores.contiguous(), num_full_pages, self.selected, self.selected_scores,
+                                       self._host_pages(), self._device_pages(), self.base, self.host.k.shape[2])
+                self._count_promotions(promoted)
+                return
         slots_per_row = self.k - 1
         width = scores.shape[1]
         new_pages, _ = select_pages(scores, num_full_pages, slots_per_row, force_last=False)
@@ -250,9 +258,7 @@ class OffloadedPages:
                          (rows * self.host.k.shape[2] + new_pages.clamp(min=0)).view(-1),
                          (self.base + rows * self.k + target_cols.clamp(max=slots_per_row - 1)).view(-1),
                          promoted.view(-1))
-        count = promoted.sum()
-        self.counters.promoted_pages = self.counters.promoted_pages + count
-        self.counters.bytes_h2d = self.counters.bytes_h2d + count * self._page_bytes(1)
+        self._count_promotions(promoted.sum())
         selected = torch.cat([torch.where(keep, old_pages, -1), old_pages.new_full((keep.shape[0], 1), -1)], 1)
         selected.scatter_(1, target_cols, new_pages)
         selected = selected[:, :slots_per_row]
@@ -260,6 +266,11 @@ class OffloadedPages:
         page_scores = scores.gather(1, selected.clamp(min=0)).to(self.selected_scores.dtype)
         page_scores = page_scores.masked_fill(selected == 0, float("inf"))
         self.selected_scores = page_scores.masked_fill(selected < 0, float("-inf"))
+
+    def _count_promotions(self, count: torch.Tensor) -> None:
+        """Add ``count`` (a device tensor: no sync) promoted pages to the counters."""
+        self.counters.promoted_pages = self.counters.promoted_pages + count
+        self.counters.bytes_h2d = self.counters.bytes_h2d + count * self._page_bytes(1)
 
     @staticmethod
     def _membership(pages: torch.Tensor, width: int) -> torch.Tensor:

@@ -35,6 +35,23 @@ def _order_key(scores):
 
 
 @triton.jit
+def _top_keys(key, valid, count):
+    """Mask of the ``count`` largest of the ``valid`` int64 ``key``s (ties go to the lower index), by bisecting
+    the ``count``-th largest key: the largest ``t`` with ``#(key >= t) >= count``."""
+    low = tl.full([], -2147483648, tl.int64)
+    high = tl.full([], 2147483647, tl.int64)
+    for _ in range(32):
+        middle = (low + high + 1) // 2
+        if tl.sum((valid & (key >= middle)).to(tl.int32)) >= count:
+            low = middle
+        else:
+            high = middle - 1
+    ties_wanted = count - tl.sum((valid & (key > low)).to(tl.int32))
+    tie = valid & (key == low)
+    return valid & ((key > low) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= ties_wanted)))
+
+
+@triton.jit
 def _row_of(pid, num_unstable_rows, num_unstable, num_stable, num_heads, unstable_heads_ptr, stable_heads_ptr):
     """(row index within its class, batch, row ``b * H + h``) of program ``pid`` (unstable rows first)."""
     if pid < num_unstable_rows:
@@ -125,20 +142,8 @@ def _decode_table_kernel(
             valid = page < num_pages
             key = _order_key(tl.load(scores_ptr + index.to(tl.int64) * scores_stride + page, mask=valid,
                                      other=0.0)).to(tl.int64)
-            # The K-th largest key by bisection: the largest t with count(key >= t) >= K.
-            low = tl.full([], -2147483648, tl.int64)
-            high = tl.full([], 2147483647, tl.int64)
-            for _ in range(32):
-                middle = (low + high + 1) // 2
-                above = tl.sum((valid & (key >= middle)).to(tl.int32))
-                if above >= K:
-                    low = middle
-                else:
-                    high = middle - 1
-            ties_wanted = K - tl.sum((valid & (key > low)).to(tl.int32))
             # Chosen pages in ascending order (the tail, the highest page, lands last); ties go to lower pages.
-            tie = valid & (key == low)
-            chosen = valid & ((key > low) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= ties_wanted)))
+            chosen = _top_keys(key, valid, K)
             position = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
             chosen_slot = tl.load(table_row + page, mask=chosen, other=-1)
             chosen_length = tl.where(page == num_pages - 1, last_len, PAGE_SIZE)

@@ -34,7 +34,7 @@ def copy_pages(source: tuple[torch.Tensor, torch.Tensor], target: tuple[torch.Te
     Args:
         source, target: ``(k, v)`` page arrays ``[N, ps, D]`` (device memory or pinned host memory).
         source_index, target_index: ``[n]`` int64 page indices, on the device.
-        mask: ``[n]`` bool, on the device.
+        mask: ``[n]`` bool or int8 (nonzero: copy), on the device.
     """
     if mask.numel() == 0:
         return

@@ -1,0 +1,103 @@
+"""A stable-head rerank in two launches (Triton): selection, bookkeeping and the promotion copy.
+
+Without it, a rerank of one layer's stable rows is ~100 small torch operations (selection by sort, membership of
+old and new pages, pairing promoted pages with free slots, index arithmetic for the copy): milliseconds of host
+time on the GPU path. :func:`rerank_rows` does the same in one program per row plus the zero-copy page copy of
+:mod:`flexicache.backends.triton_transfer`, with results identical to
+:meth:`flexicache.offload.OffloadedPages.rerank`'s torch path: same page choice (sink forced, ties to the lower
+page, as :func:`~flexicache.selection.select_pages`), same slots for kept and promoted pages, same scores.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flexicache.backends.triton_select import MAX_SCORED_PAGES, _order_key, _top_keys
+from flexicache.backends.triton_transfer import copy_pages
+
+
+@triton.jit
+def _rerank_kernel(scores_ptr, num_full_ptr, selected_ptr, selected_scores_ptr, new_pages_ptr, copy_src_ptr,
+                   copy_dst_ptr, copy_mask_ptr, promoted_ptr, scores_stride, base, host_pages_per_row,
+                   SLOTS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)
+    n = tl.load(num_full_ptr + row).to(tl.int32)  # candidate pages: the row's full pages
+    page = tl.arange(0, BLOCK_S)
+    valid = page < n
+    scores_row = scores_ptr + row.to(tl.int64) * scores_stride
+    key = _order_key(tl.where(page == 0, float("inf"), tl.load(scores_row + page, mask=valid, other=0.0)))
+    key = key.to(tl.int64)
+    if n > SLOTS:  # ties go to the lower pages
+        chosen = _top_keys(key, valid, SLOTS)
+    else:
+        chosen = valid
+    # The new pages in ascending order, -1 padded: through this row's scratch (a register vector cannot be indexed).
+    columns = tl.arange(0, BLOCK_K)
+    scratch = new_pages_ptr + row.to(tl.int64) * BLOCK_K
+    tl.store(scratch + columns, tl.full([BLOCK_K], -1, tl.int64))
+    tl.debug_barrier()
+    tl.store(scratch + tl.cumsum(chosen.to(tl.int32), axis=0) - 1, page.to(tl.int64), mask=chosen)
+    tl.debug_barrier()
+    new = tl.load(scratch + columns)
+    listed = columns < SLOTS
+    old = tl.load(selected_ptr + row.to(tl.int64) * SLOTS + columns, mask=listed, other=-1)
+    same = ((old[:, None] == new[None, :]) & (old[:, None] >= 0)).to(tl.int32)  # [old slot j, new entry i]
+    keep = tl.max(same, axis=1) > 0
+    promoted = (new >= 0) & (tl.max(same, axis=0) == 0)
+    # The r-th promoted page (ascending) takes the r-th free slot (by column).
+    free = listed & (tl.max(same, axis=1) == 0)
+    free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
+    promoted_rank = tl.cumsum(promoted.to(tl.int32), axis=0) - 1
+    pair = free[:, None] & promoted[None, :] & (free_rank[:, None] == promoted_rank[None, :])
+    target = tl.sum(tl.where(pair, columns[:, None], 0), axis=0)  # [i] slot of new entry i
+    placed = tl.sum(tl.where(pair, new[None, :] + 1, 0), axis=1) - 1  # [j] promoted page put in slot j, or -1
+    updated = tl.where(keep, old, placed)
+    tl.store(selected_ptr + row.to(tl.int64) * SLOTS + columns, updated, mask=listed)
+    held = tl.load(scores_row + tl.maximum(updated, 0), mask=listed & (updated >= 0), other=0.0)
+    held = tl.where(updated == 0, float("inf"), tl.where(updated < 0, float("-inf"), held))
+    tl.store(selected_scores_ptr + row.to(tl.int64) * SLOTS + columns, held, mask=listed)
+    out = row.to(tl.int64) * BLOCK_K + columns
+    tl.store(copy_src_ptr + out, row.to(tl.int64) * host_pages_per_row + tl.maximum(new, 0))
+    tl.store(copy_dst_ptr + out, base + row.to(tl.int64) * (SLOTS + 1) + target)
+    tl.store(copy_mask_ptr + out, promoted.to(tl.int8))
+    tl.atomic_add(promoted_ptr, tl.sum(promoted.to(tl.int64), axis=0))
+
+
+def fits_fused_rerank(width: int) -> bool:
+    """Whether :func:`rerank_rows` can hold rows of ``width`` pages in registers."""
+    return width <= MAX_SCORED_PAGES
+
+
+def rerank_rows(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: torch.Tensor,
+                selected_scores: torch.Tensor, host: tuple[torch.Tensor, torch.Tensor],
+                pool: tuple[torch.Tensor, torch.Tensor], base: int, host_pages_per_row: int) -> torch.Tensor:
+    """Rerank every stable row: select the top ``K - 1`` full pages (sink forced), keep the slots of pages still
+    selected, give each newly promoted page a free slot and copy it there from the host tier.
+
+    Args:
+        scores: ``[R, W]`` fp32 page scores (``W`` >= every row's full pages).
+        num_full_pages: ``[R]`` int64 full pages of each row (the candidates; the tail page is not one).
+        selected, selected_scores: ``[R, K - 1]`` int64 / fp32 selection state, updated in place.
+        host: the host tier ``(k, v)`` as pinned pages ``[R * P, ps, D]``; pool: the device pages ``[S, ps, D]``,
+            row ``r``'s slots at ``base + r * K + j``.
+
+    Returns:
+        ``[1]`` int64 device tensor: pages promoted (copied host to device) by this rerank.
+    """
+    rows, slots = selected.shape
+    if not fits_fused_rerank(scores.shape[1]):
+        raise ValueError(f"fused rerank holds at most {MAX_SCORED_PAGES} pages per row, got {scores.shape[1]}")
+    block_k = triton.next_power_of_2(max(slots, 1))
+    block_s = triton.next_power_of_2(max(scores.shape[1], 16))
+    indices = torch.empty(3, rows * block_k, dtype=torch.long, device=scores.device)  # new pages, copy src, dst
+    copy_mask = torch.empty(rows * block_k, dtype=torch.int8, device=scores.device)
+    promoted = torch.zeros(1, dtype=torch.long, device=scores.device)
+    _rerank_kernel[(rows,)](
+        scores, num_full_pages, selected, selected_scores, indices[0], indices[1], indices[2], copy_mask, promoted,
+        scores.stride(0), base, host_pages_per_row, SLOTS=slots, BLOCK_K=block_k, BLOCK_S=block_s,
+        num_warps=max(4, min(16, block_s // 256)),
+    )
+    copy_pages(host, pool, indices[1], indices[2], copy_mask)
+    return promoted
