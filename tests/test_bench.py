@@ -286,3 +286,27 @@ def test_report_of_the_gpu_run_has_no_broken_numbers():
     tokens = entries["tokens/s at the largest batch >= 2x DynamicCache's at its largest"]
     assert tokens["status"] == "NOT met" and "1.45x measured on 4 layers" in tokens["value"]
     assert "13 = floor(106.99 GiB host limit / 8.00 GiB" in report
+
+
+def test_host_profile_times_each_part_and_restores_everything(tmp_path, monkeypatch, capsys):
+    from transformers import AttentionInterface
+
+    from flexicache import attention
+    from flexicache.benchmarks import host_profile
+    from flexicache.cache import FlexiLayer
+
+    out = tmp_path / "steps.json"
+    monkeypatch.setattr("sys.argv", ["host_profile", "--device", "cpu", "--model", "tiny-llama", "--layers", "2",
+                                     "--context", "128", "--batch", "2", "--dtype", "float32", "--warmup", "2",
+                                     "--steps", "4", "--profile-steps", "2", "--systems", "dynamic", "flexicache-64",
+                                     "--cprofile", "--json", str(out)])
+    host_profile.main()
+    results = json.loads(out.read_text())
+    assert set(results) == {"dynamic", "flexicache-64"}
+    for name, timed in (("dynamic", "DynamicLayer.update"), ("flexicache-64", "FlexiLayer.decode")):
+        assert len(results[name]["step_ms"]) == 4
+        calls = {line.split()[0]: float(line.split()[1]) for line in results[name]["host_calls"].splitlines()[1:]}
+        assert calls[timed] == 2.0  # one call per layer and step
+    assert "Ordered by: internal time" in capsys.readouterr().out  # the cProfile tables
+    assert FlexiLayer.decode.__qualname__ == "FlexiLayer.decode"  # the timers are gone again
+    assert AttentionInterface()[attention.ATTENTION_NAME] is attention.flexicache_attention_forward

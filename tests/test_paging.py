@@ -118,3 +118,26 @@ def test_grow_dim_keeps_contents_and_fills():
     assert grown.shape[0] == 2 and grown.shape[1] >= 4
     assert torch.equal(grown[:, :3], tensor) and bool((grown[:, 3:] == -1).all())
     assert grow_dim(tensor, 1, 2) is tensor and grow_dim(tensor, 1, 3) is tensor
+
+
+def test_growth_leaves_headroom_after_a_large_jump():
+    """A prefill-sized jump reserves a quarter more, so the next decode pages fit without a reallocation."""
+    grown = grow_dim(torch.zeros(1, 0), 1, 2048)
+    assert grown.shape[1] == 2048 + 512
+    assert grow_dim(grown, 1, 2049) is grown and grow_dim(grown, 1, 2560) is grown
+    assert grow_dim(grown, 1, 2561).shape[1] == 2561 + 640
+
+
+def test_host_tier_reserves_decode_headroom_and_keeps_pages():
+    from flexicache.offload import HostTier
+
+    tier = HostTier(batch_size=2, num_heads=3, page_size=4, head_dim=8, dtype=torch.float32, pin_memory=False)
+    tier.reserve(100)  # a prefill of 100 pages
+    assert tier.k.shape == (2, 3, 164, 4, 8)  # at least 64 pages of headroom
+    tier.k[:, :, :100] = torch.randn(2, 3, 100, 4, 8)
+    before, storage = tier.k[:, :, :100].clone(), tier.k.data_ptr()
+    tier.reserve(164)
+    assert tier.k.data_ptr() == storage  # the decode pages after the prefill fit in place
+    tier.reserve(400)
+    assert tier.k.shape[2] == 500 and torch.equal(tier.k[:, :, :100], before)
+    assert tier.nbytes_reserved == 2 * tier.k.numel() * 4

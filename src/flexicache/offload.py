@@ -37,6 +37,14 @@ class TransferCounters:
     bytes_d2h: int = 0
 
 
+def empty_pinned_cache() -> None:
+    """Give torch's cached, unused pinned host blocks back to the system (the function's name depends on torch's
+    version; blocks still awaiting a copy stay)."""
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+
+
 class HostTier:
     """Full pages of ``h`` stable heads in host memory: ``k``/``v`` of shape ``[B, h, P, ps, D]`` (pinned on CUDA)."""
 
@@ -50,15 +58,21 @@ class HostTier:
         return torch.zeros(shape, dtype=dtype, pin_memory=self.pin_memory)
 
     def reserve(self, num_pages: int) -> None:
+        """Room for ``num_pages`` pages per row, plus a quarter (at least 64 pages) for the tokens to come: a prefill
+        reserves its decode headroom at once, so the first full page after it does not reallocate the whole tier.
+        The replaced pinned blocks go back to the system (torch's host allocator would keep them cached)."""
         if num_pages <= self.k.shape[2]:
             return
         shape = list(self.k.shape)
-        shape[2] = max(num_pages, shape[2] + max(64, shape[2] // 4))  # pinned memory is precious: grow by 1/4
+        shape[2] = num_pages + max(64, num_pages // 4)
         for name in ("k", "v"):
             old = getattr(self, name)
             grown = self._empty(tuple(shape), old.dtype)
             grown[:, :, : old.shape[2]].copy_(old)
             setattr(self, name, grown)
+        if self.pin_memory:
+            del old, grown
+            empty_pinned_cache()
 
     @property
     def nbytes_reserved(self) -> int:

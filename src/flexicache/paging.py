@@ -14,13 +14,14 @@ from flexicache.sequence import AppendPlan
 def grow_dim(tensor: torch.Tensor, dim: int, size: int, fill: float | int | bool = 0) -> torch.Tensor:
     """``tensor`` padded with ``fill`` along ``dim`` to at least ``size``.
 
-    Capacity grows by a quarter at least: copies stay amortised while reserved memory stays within ~25% of use.
+    A growth reserves a quarter more than ``size`` (at least 16): copies stay amortised, reserved memory stays within
+    ~25% of use, and a prefill leaves room for the decode steps after it (no reallocation at the first new page).
     """
     current = tensor.shape[dim]
     if size <= current:
         return tensor
     shape = list(tensor.shape)
-    shape[dim] = max(size, current + max(16, current // 4))
+    shape[dim] = size + max(16, size // 4)
     grown = tensor.new_full(shape, fill)
     grown.narrow(dim, 0, current).copy_(tensor)
     return grown

@@ -31,14 +31,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from flexicache import attention
 from flexicache.backends.flashinfer import FlashInferBackend
+from flexicache.benchmarks.measure import build_model, fill_cache, timed_generate
+from flexicache.benchmarks.suite import Settings, System, model_config
 from flexicache.cache import FlexiLayer
 from flexicache.decode_graph import DecodeGraph
 from flexicache.offload import OffloadedPages
 from flexicache.sequence import SequenceState
-
-from flexicache.benchmarks.measure import build_model, fill_cache, timed_generate
-from flexicache.benchmarks.suite import Settings, System, model_config
-
 
 CALLEES = r"flexicache_attention_forward|\(decode\)|_decode_graphed|_prepare_token_slots|modeling_llama.py:\d+\(forward\)"
 

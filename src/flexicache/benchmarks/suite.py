@@ -27,6 +27,7 @@ from transformers import Cache, DynamicCache, LlamaConfig, MistralConfig, Pretra
 
 from flexicache import FlexiCache, HeadProfile, attention
 from flexicache.benchmarks.attention import Shape, random_profile
+from flexicache.offload import empty_pinned_cache
 
 GIB = 2**30
 CASES = ("memory", "decode", "attention", "rerank", "throughput", "mix")
@@ -365,11 +366,7 @@ def release(device: torch.device) -> None:
     if device.type == "cuda":  # gc.collect() costs ~0.4 s: only worth it when device memory is at stake
         gc.collect()
         torch.cuda.empty_cache()
-        # Give cached pinned blocks back (the host tier is sized per measurement); the name depends on torch's version.
-        empty_host_cache = (getattr(torch.accelerator, "empty_host_cache", None)
-                            or getattr(torch._C, "_host_emptyCache", None))
-        if empty_host_cache is not None:
-            empty_host_cache()
+        empty_pinned_cache()  # the host tier is sized per measurement
 
 
 def run_suite(settings: Settings, out: Path, command: str = "") -> dict[str, Any]:
