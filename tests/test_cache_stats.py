@@ -61,11 +61,11 @@ def test_byte_accounting_matches_design_formula(dtype, lengths, budget, page_siz
     pool_used = sum(layer.pool.used for layer in cache.layers) * page_bytes
     assert pool_used == device
     assert stats["device_reserved_bytes"] >= device + stats["device_metadata_bytes"]
-    assert stats["device_reserved_bytes"] == sum(layer.pool.nbytes_reserved for layer in cache.layers) + \
-        stats["device_metadata_bytes"]
-    max_pages = max(cdiv(n, page_size) for n in real_tokens)
-    assert stats["device_metadata_bytes"] >= 2 * len(lengths) * config.num_key_value_heads * \
-        config.num_hidden_layers * max_pages * config.head_dim * element
+    assert stats["device_reserved_bytes"] == sum(layer.pool.nbytes_reserved + layer.meta.nbytes
+                                                 for layer in cache.layers)
+    used_pages = sum(cdiv(n, page_size) for n in real_tokens)  # min and max of every page in use, every head
+    assert stats["device_metadata_bytes"] == 2 * used_pages * config.num_key_value_heads * \
+        config.num_hidden_layers * config.head_dim * element
     assert stats["host_reserved_bytes"] >= host
     # counters
     num_unstable = len(profile.unstable_heads)

@@ -405,8 +405,8 @@ class FlexiLayer(CacheLayerMixin):
         page_bytes = 2 * page_size * self.head_dim * element  # keys + values of one page of one head
         pages_per_request = (self.sequence.num_tokens_host + page_size - 1) // page_size
         used_pages = int(pages_per_request.sum())
-        stats = {
-            "device_kv_bytes": 0, "device_metadata_bytes": self.meta.nbytes,
+        stats = {  # in use (pages of the requests' real tokens) and reserved (capacity included)
+            "device_kv_bytes": 0, "device_metadata_bytes": used_pages * self.num_kv_heads * page_bytes // page_size,
             "device_reserved_bytes": self.pool.nbytes_reserved + self.meta.nbytes,
             "host_kv_bytes": 0,
             "host_reserved_bytes": 0, "reranks_unstable": self.unstable_counters.reranks, "reranks_stable": 0,
@@ -574,7 +574,8 @@ class FlexiCache(DynamicCache):
         """Memory and work counters, summed over layers.
 
         Keys: ``device_kv_bytes`` (pages in use on the device: unstable heads' pages + stable heads' K slots),
-        ``device_metadata_bytes`` (page min/max), ``device_reserved_bytes`` (all device tensors, capacity included),
+        ``device_metadata_bytes`` (page min/max of the pages in use), ``device_reserved_bytes`` (all device tensors,
+        capacity included),
         ``host_kv_bytes`` (stable heads' pages in the host tier), ``host_reserved_bytes``, ``dense_kv_bytes``
         (what DynamicCache would hold), ``reranks_unstable``/``reranks_stable`` (rows reranked: one row is one
         request x one KV head), ``promoted_pages``, ``bytes_h2d``/``bytes_d2h``, ``decode_steps``, ``backend``.
