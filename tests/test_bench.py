@@ -310,3 +310,20 @@ def test_host_profile_times_each_part_and_restores_everything(tmp_path, monkeypa
     assert "Ordered by: internal time" in capsys.readouterr().out  # the cProfile tables
     assert FlexiLayer.decode.__qualname__ == "FlexiLayer.decode"  # the timers are gone again
     assert AttentionInterface()[attention.ATTENTION_NAME] is attention.flexicache_attention_forward
+
+
+def test_decode_rows_survive_a_failing_loop_calibration(tmp_path, monkeypatch):
+    from flexicache.benchmarks import decode
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(decode, "loop_cost", fail)
+    assert main(["bench", "--device", "cpu", "--cases", "decode", "--decode-contexts", "128", "--decode-batches",
+                 "1", "--decode-systems", "dynamic", "flexicache-64", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "bench.json").read_text())
+    measured = rows(results, "decode")
+    assert {row["system"] for row in measured} == {"dynamic", "flexicache-64"}
+    assert all(row["full_depth"] is None and row["rounds"] == 2 for row in measured)
+    reasons = [skipped["reason"] for skipped in results["cases"]["decode"]["skipped"]]
+    assert len(reasons) == 2 and all("loop calibration error" in reason for reason in reasons)

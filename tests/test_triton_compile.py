@@ -74,3 +74,9 @@ def test_rerank_kernel_compiles(slots: int, block_s: int) -> None:
     compile_for_hopper(triton_rerank._rerank_kernel,
                        dict(SLOTS=slots, BLOCK_K=triton.next_power_of_2(slots), BLOCK_S=block_s),
                        {"scores_ptr": "*fp32", "selected_scores_ptr": "*fp32", "copy_mask_ptr": "*i8"})
+
+
+@pytest.mark.parametrize("head_dim", [128, 96])
+def test_write_tokens_kernel_compiles(head_dim: int) -> None:
+    compile_for_hopper(triton_transfer._write_tokens_kernel,
+                       dict(PAGE_SIZE=16, HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(head_dim)))

@@ -115,8 +115,8 @@ def check_transfers() -> None:
 
 def check_rerank() -> None:
     """The fused rerank leaves the selection, scores, device slots and promotion count the torch rerank leaves:
-    rows with no, few (< K - 1) and many full pages, scores with ties everywhere (small integers, all zero), and
-    a selection state left by earlier reranks and tail retirements."""
+    rows with no, few (< K - 1) and many full pages, scores with ties everywhere (small integers, all zero), each
+    rerank starting from the selection the previous one left (tail retirements: check_transfers)."""
     import copy
 
     from flexicache.offload import OffloadedPages

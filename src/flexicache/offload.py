@@ -20,7 +20,7 @@ import torch
 from flexicache.backends import triton_available
 from flexicache.paging import PagePool
 from flexicache.selection import select_pages
-from flexicache.sequence import AppendPlan
+from flexicache.sequence import AppendPlan, host_to_device
 
 
 @dataclass
@@ -212,16 +212,28 @@ class OffloadedPages:
         The caller reranks right after, which fills the selection slots; the tail slot is refreshed here.
         """
         self._reserve_host(plan.max_pages_after)
-        started = (plan.before_host > 0).nonzero().view(-1).to(self.pool.k.device)
+        device = self.pool.k.device
+        started = host_to_device((plan.before_host > 0).nonzero().view(-1), device)
         if started.numel():  # the old tail page may be partial and exist on the device only
             self._offload_tails(started, (plan.before[started] - 1) // self.page_size, self._tail_slots(started))
-            if self.zero_copy:  # that kernel writes the whole page: let it land before the CPU adds tokens to it
-                torch.cuda.synchronize(self.pool.k.device)
+        self.counters.bytes_d2h += 2 * new_keys.numel() * self.pool.k.element_size()
+        nonempty = (plan.after_host > 0).nonzero().view(-1)
+        if self.zero_copy:  # the device writes the tokens into the pinned tier and reads the tails back: no sync
+            from flexicache.backends.triton_transfer import copy_pages, write_tokens
+
+            write_tokens(new_keys, new_values, self._host_pages(), plan.batch, plan.page, plan.offset,
+                         self.host.k.shape[2])
+            requests = host_to_device(nonempty, device)
+            tail_page = (plan.after[requests] - 1) // self.page_size
+            copy_pages(self._host_pages(), self._device_pages(),
+                       self._rows_of(requests) * self.host.k.shape[2] + self._per_row(tail_page),
+                       self._tail_slots(requests), torch.ones(requests.numel() * self.num_heads, dtype=torch.int8,
+                                                              device=device))
+            self.counters.bytes_h2d += self._page_bytes(nonempty.numel() * self.num_heads)
+            return
         batch_host, page_host, offset_host = plan.batch.cpu(), plan.page.cpu(), plan.offset.cpu()
         self.host.k[batch_host, :, page_host, offset_host] = new_keys.to("cpu", self.host.k.dtype)
         self.host.v[batch_host, :, page_host, offset_host] = new_values.to("cpu", self.host.v.dtype)
-        self.counters.bytes_d2h += 2 * new_keys.numel() * self.pool.k.element_size()
-        nonempty = (plan.after_host > 0).nonzero().view(-1)
         tail_page = (plan.after_host[nonempty] - 1) // self.page_size
         tails_k = self.host.k[nonempty, :, tail_page].reshape(-1, self.page_size, self.pool.k.shape[-1])
         tails_v = self.host.v[nonempty, :, tail_page].reshape(-1, self.page_size, self.pool.k.shape[-1])
@@ -244,7 +256,7 @@ class OffloadedPages:
         if self.zero_copy:
             from flexicache.backends.triton_rerank import fits_fused_rerank, rerank_rows
 
-            if fits_fused_rerank(scores.shape[1]):  # the same result as below, in two launches
+            if fits_fused_rerank(scores, self.k - 1):  # the same result as below, in two launches
                 promoted = rerank_rows(scores.contiguous(), num_full_pages, self.selected, self.selected_scores,
                                        self._host_pages(), self._device_pages(), self.base, self.host.k.shape[2])
                 self._count_promotions(promoted)

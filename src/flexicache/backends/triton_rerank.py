@@ -65,9 +65,13 @@ def _rerank_kernel(scores_ptr, num_full_ptr, selected_ptr, selected_scores_ptr, 
     tl.atomic_add(promoted_ptr, tl.sum(promoted.to(tl.int64), axis=0))
 
 
-def fits_fused_rerank(width: int) -> bool:
-    """Whether :func:`rerank_rows` can hold rows of ``width`` pages in registers."""
-    return width <= MAX_SCORED_PAGES
+MAX_RERANK_SLOTS = 128  # selection slots per row: the kernel pairs slots in [slots x slots] tiles
+
+
+def fits_fused_rerank(scores: torch.Tensor, slots: int) -> bool:
+    """Whether :func:`rerank_rows` takes these fp32 ``scores [R, W]`` (rows held in registers) and ``slots`` per row;
+    other cases (float64 scores of a float64 model, very large budgets) take the torch path."""
+    return scores.dtype == torch.float32 and scores.shape[1] <= MAX_SCORED_PAGES and slots <= MAX_RERANK_SLOTS
 
 
 def rerank_rows(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: torch.Tensor,
@@ -87,8 +91,9 @@ def rerank_rows(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: to
         ``[1]`` int64 device tensor: pages promoted (copied host to device) by this rerank.
     """
     rows, slots = selected.shape
-    if not fits_fused_rerank(scores.shape[1]):
-        raise ValueError(f"fused rerank holds at most {MAX_SCORED_PAGES} pages per row, got {scores.shape[1]}")
+    if not fits_fused_rerank(scores, slots):
+        raise ValueError(f"fused rerank takes fp32 scores of at most {MAX_SCORED_PAGES} pages per row and at most "
+                         f"{MAX_RERANK_SLOTS} slots, got {scores.dtype} [{scores.shape[1]} pages], {slots} slots")
     block_k = triton.next_power_of_2(max(slots, 1))
     block_s = triton.next_power_of_2(max(scores.shape[1], 16))
     indices = torch.empty(3, rows * block_k, dtype=torch.long, device=scores.device)  # new pages, copy src, dst

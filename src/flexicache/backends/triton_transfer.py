@@ -103,3 +103,37 @@ def retire_tails(pool: tuple[torch.Tensor, torch.Tensor], host: tuple[torch.Tens
         host_pages_per_row, K=slots_per_row + 1, PAGE_SIZE=page_size, PAGE=page, BLOCK=triton.next_power_of_2(page),
         BLOCK_K=triton.next_power_of_2(slots_per_row),
     )
+
+
+@triton.jit
+def _write_tokens_kernel(keys_ptr, values_ptr, host_k_ptr, host_v_ptr, batch_ptr, page_ptr, offset_ptr, num_heads,
+                         host_pages_per_row, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    dims = tl.arange(0, BLOCK)
+    inside = dims < HEAD_DIM
+    source = (token.to(tl.int64) * num_heads + head) * HEAD_DIM + dims
+    row = tl.load(batch_ptr + token) * num_heads + head
+    target = ((row * host_pages_per_row + tl.load(page_ptr + token)) * PAGE_SIZE + tl.load(offset_ptr + token))
+    target = target * HEAD_DIM + dims
+    tl.store(host_k_ptr + target, tl.load(keys_ptr + source, mask=inside), mask=inside)
+    tl.store(host_v_ptr + target, tl.load(values_ptr + source, mask=inside), mask=inside)
+
+
+def write_tokens(keys: torch.Tensor, values: torch.Tensor, host: tuple[torch.Tensor, torch.Tensor],
+                 batch: torch.Tensor, page: torch.Tensor, offset: torch.Tensor, host_pages_per_row: int) -> None:
+    """Write a chunk's tokens into the pinned host tier from the device (prefill offload without a host sync).
+
+    Args:
+        keys, values: ``[N, h, D]`` the chunk's tokens of ``h`` heads, in plan order (cast to the tier's dtype).
+        host: the host tier ``(k, v)`` as pinned pages ``[R * P, ps, D]``; row ``b * h + head``, page ``p`` at
+            ``row * P + p``.
+        batch, page, offset: ``[N]`` int64 request, page and offset of every token (device).
+    """
+    num_tokens, num_heads, head_dim = keys.shape
+    if num_tokens == 0:
+        return
+    _write_tokens_kernel[(num_tokens, num_heads)](
+        keys.contiguous(), values.contiguous(), host[0], host[1], batch, page, offset, num_heads, host_pages_per_row,
+        PAGE_SIZE=host[0].shape[1], HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(head_dim),
+    )

@@ -22,6 +22,7 @@ recorded as inconsistent and yields no full-depth estimate (``None``; the report
 from __future__ import annotations
 
 import statistics
+import traceback
 from functools import partial
 from typing import Any
 
@@ -37,7 +38,7 @@ from flexicache.benchmarks.measure import (
     summarize,
     timed_generate,
 )
-from flexicache.benchmarks.suite import CaseResult, Suite, System, full_layers, systems
+from flexicache.benchmarks.suite import CaseResult, Suite, System, full_layers, release, systems
 
 
 def decode_run(suite: Suite, model: Any, system: System, batch: int, context: int, steps: int,
@@ -168,6 +169,21 @@ def measure(suite: Suite, model: Any, system: System, batch: int, context: int, 
     return decode_run(suite, model, system, batch, context, s.steps, s.profile_steps if profiled else 0)
 
 
+def merged_with_full_depth(suite: Suite, model_name: str, batch: int, rounds: list[dict[str, Any]],
+                           result: CaseResult) -> dict[str, Any]:
+    """The merged row of a point's rounds with its full-depth estimate; a failing loop calibration (e.g. out of
+    memory) leaves the measured row without an estimate and is recorded as skipped."""
+    row = merge_rounds(rounds, batch)
+    try:
+        return with_full_depth(suite, model_name, batch, row)
+    except Exception as error:  # noqa: BLE001 - the measured rounds must not be lost with the calibration
+        traceback.print_exc()
+        release(suite.device)
+        label = {key: row[key] for key in ("model", "system", "context", "batch")}
+        result.skipped.append(dict(label, reason=f"loop calibration error: {type(error).__name__}: {error}"[:500]))
+        return dict(row, full_depth=None)
+
+
 def merge_rounds(rows: list[dict[str, Any]], batch: int) -> dict[str, Any]:
     """One row from the rounds of a measurement: step statistics over the pooled steps, each round's p50 in
     ``round_p50_ms``, the slowest warm-up step, and the rest (bytes, counters, GPU busy time) from the first round."""
@@ -190,8 +206,10 @@ def run(suite: Suite, model_name: str, result: CaseResult) -> None:
             f"{s.layers}-layer random-weight models; `full_depth` = estimate for {full_layers(model_name)} layers "
             f"from the loop calibration (DynamicCache at {s.loop_context} tokens on 1 and {s.layers} layers; none "
             f"when the calibration is inconsistent). Step times are wall times of generate steps (device "
-            f"synchronised), p50/p99 over {s.steps} steps after {s.warmup} warm-up steps (p99 = nearest rank"
-            f"{': the slowest step' if s.steps < 100 else ''}); `warmup_max_ms` is the slowest warm-up step "
+            f"synchronised), p50/p99 over the {s.steps} timed steps of each of up to {s.decode_rounds} rounds, pooled, "
+            f"after {s.warmup} warm-up steps per round (p99 = nearest rank"
+            f"{': the slowest step' if s.steps * s.decode_rounds < 100 else ''}); `round_p50_ms` keeps each round's "
+            "median; `warmup_max_ms` is the slowest warm-up step "
             "(host-tier growth shows there).")
     model = suite.model(model_name)
     for context, batch in measurement_order(s.decode_contexts, s.decode_batches, s.attention_context,
@@ -207,6 +225,8 @@ def run(suite: Suite, model_name: str, result: CaseResult) -> None:
             measured.append((system, label))
         rounds: dict[str, list[dict[str, Any]]] = {system.name: [] for system, _ in measured}
         for index in range(s.decode_rounds):
+            if index and suite.out_of_time():
+                break  # later rounds are extra samples: stop them all at once (equal rounds per system)
             for system, label in (measured if index % 2 == 0 else measured[::-1]):
                 if index and not rounds[system.name]:
                     continue  # its first round failed or ran out of time
@@ -216,5 +236,4 @@ def run(suite: Suite, model_name: str, result: CaseResult) -> None:
                     rounds[system.name].append(row)
         for system, label in measured:
             if rounds[system.name]:
-                suite.record(result, with_full_depth(suite, model_name, batch, merge_rounds(rounds[system.name],
-                                                                                            batch)))
+                suite.record(result, merged_with_full_depth(suite, model_name, batch, rounds[system.name], result))
