@@ -225,11 +225,9 @@ def run(suite: Suite, model_name: str, result: CaseResult) -> None:
             measured.append((system, label))
         rounds: dict[str, list[dict[str, Any]]] = {system.name: [] for system, _ in measured}
         for index in range(s.decode_rounds):
-            if index and suite.out_of_time():
-                break  # later rounds are extra samples: stop them all at once (equal rounds per system)
             for system, label in (measured if index % 2 == 0 else measured[::-1]):
-                if index and not rounds[system.name]:
-                    continue  # its first round failed or ran out of time
+                if index and (not rounds[system.name] or suite.out_of_time()):
+                    continue  # its first round failed; or later rounds (extra samples) are out of time
                 row = suite.attempt(result, label, partial(measure, suite, model, system, batch, context, index == 0),
                                     record=False)
                 if row is not None:
