@@ -49,6 +49,7 @@ def test_outputs_written_and_nothing_failed(bench):
             assert "needs CUDA" in skipped["reason"], (case, skipped)
     assert results["env"]["torch"] and results["settings"]["device"] == "cpu"
     report = (out / "report.md").read_text()
+    assert "| p50 per round |" in report
     for title in ("#### Targets", "#### Memory vs context", "#### Decode step latency", "#### Rerank ablation",
                   "#### Largest batch", "#### Offline mix", "![rerank.png](rerank.png)"):
         assert title in report

@@ -328,8 +328,9 @@ def decode_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     out = []
     for row in rows:
         dyn = find(rows, system="dynamic", context=row["context"], batch=row["batch"], model=row["model"])
+        rounds = " / ".join(fmt(ms) for ms in row.get("round_p50_ms", [])) or "-"  # runs before rounds: "-"
         line = [row["model"], str(row["context"]), str(row["batch"]), row["system"], fmt(row["step_ms_p50"]),
-                fmt(row["step_ms_p99"]), fmt(row["p99_over_p50"]), fmt(row["tokens_per_s"], 0),
+                rounds, fmt(row["step_ms_p99"]), fmt(row["p99_over_p50"]), fmt(row["tokens_per_s"], 0),
                 fmt(row.get("device_busy_ms")), fmt(row.get("gpu_idle_share"), 0, 0.01, "%"),
                 fmt(row.get("warmup_max_ms"), 0), fmt(dyn and dyn["step_ms_p50"] / row["step_ms_p50"]),
                 size(row.get("bytes_h2d_per_step"))]
@@ -341,8 +342,8 @@ def decode_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                           else "-", 2)]
         out.append(line)
     layers = rows[0]["layers"]
-    header = ["model", "context", "batch", "system", f"p50 ms ({layers} layers)", "p99 ms", "p99/p50", "tok/s",
-              "GPU busy ms", "GPU idle", "warm-up max ms", "x Dynamic (p50)", "H2D/step"]
+    header = ["model", "context", "batch", "system", f"p50 ms ({layers} layers)", "p50 per round", "p99 ms",
+              "p99/p50", "tok/s", "GPU busy ms", "GPU idle", "warm-up max ms", "x Dynamic (p50)", "H2D/step"]
     if with_full:
         header += ["full-depth p50 ms (est.)", "full-depth tok/s (est.)", "full-depth x Dynamic (est.)"]
     text = table(header, out)
