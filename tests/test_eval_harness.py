@@ -432,6 +432,22 @@ def test_cli_suites_end_to_end(model_dir, tmp_path, longbench_folder, capsys):
                             "--context-length", "300", "--prefill", "50"))
 
 
+def test_resume_refuses_another_sample_count_where_samples_depend_on_it(tmp_path):
+    import argparse
+
+    from flexicache.evaluation.cli import _check_resume
+
+    def args(suite: str, limit: int) -> argparse.Namespace:
+        return argparse.Namespace(suite=suite, model="m", limit=limit, page_size=16)
+
+    _check_resume(tmp_path / "syn", args("synthetic", 3))
+    _check_resume(tmp_path / "syn", args("synthetic", 3))  # the same settings resume
+    with pytest.raises(SystemExit, match="limit"):  # passkey's needle depths are spread over --limit samples
+        _check_resume(tmp_path / "syn", args("synthetic", 4))
+    _check_resume(tmp_path / "lb", args("longbench", 3))
+    _check_resume(tmp_path / "lb", args("longbench", 6))  # a prefix of the same records: more samples resume
+
+
 # ----------------------------------------------------------------------------------------------- FlexiCache
 def test_flexicache_with_full_budget_equals_dense(tiny_tokenizer, tmp_path):
     from flexicache import FlexiCache

@@ -14,6 +14,8 @@ SUITES = ("longbench", "leval", "synthetic", "ppl", "lcc")
 # settings that change what a stored prediction means: resuming with other values is refused
 IDENTITY = ("suite", "model", "gguf_file", "context_length", "decode_tail", "chat", "seed", "page_size",
             "rerank_interval", "profile", "prefill", "max_new_tokens", "dtype", "data")
+# suites whose samples depend on the sample count (passkey spreads its needle depths over --limit samples)
+IDENTITY_BY_SUITE = {"synthetic": ("limit",)}
 DEFAULT_SYNTHETIC_SAMPLES = 5
 DEFAULT_LCC_SAMPLES = 20
 SMOLLM2_PROFILE = "smollm2-135m-instruct"  # shipped profile used for --model smollm2 without --profile
@@ -59,7 +61,8 @@ def _check_resume(out: Path, args: argparse.Namespace) -> None:
     current = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}
     if path.exists():
         stored = json.loads(path.read_text(encoding="utf-8"))
-        changed = [k for k in IDENTITY if stored.get(k) != current.get(k)]
+        identity = IDENTITY + IDENTITY_BY_SUITE.get(current.get("suite"), ())
+        changed = [k for k in identity if stored.get(k) != current.get(k)]
         if changed:
             raise SystemExit(f"{out} holds results made with other settings ({', '.join(changed)}); "
                              "use another --out or the same settings")
