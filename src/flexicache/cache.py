@@ -23,7 +23,7 @@ from flexicache.offload import OffloadedPages, TransferCounters
 from flexicache.paging import PageMetadata, PagePool, ResidentPages, chunk_tokens
 from flexicache.profile import HeadProfile, model_shape
 from flexicache.selection import quest_page_scores, select_pages
-from flexicache.sequence import AppendPlan, SequenceState, host_to_device
+from flexicache.sequence import AppendPlan, SequenceState, host_to_device, per_row
 
 if TYPE_CHECKING:
     from flexicache.backends.triton_select import TableInputs
@@ -186,7 +186,7 @@ class FlexiLayer(CacheLayerMixin):
                          plan.page, plan.offset)
             return
         self.meta.append(keys, plan)
-        offsets = self._per_step(plan, "token_offsets", lambda: self._rows(plan.offset, self.num_kv_heads))
+        offsets = self._per_step(plan, "token_offsets", lambda: per_row(plan.offset, self.num_kv_heads))
         slots = self.write_slots.view(-1)
         self.pool.k[slots, offsets] = keys.reshape(-1, self.head_dim).to(self.dtype)
         self.pool.v[slots, offsets] = values.reshape(-1, self.head_dim).to(self.dtype)
@@ -204,9 +204,6 @@ class FlexiLayer(CacheLayerMixin):
         grouped = query.view(batch_size, self.num_kv_heads, num_query_heads // self.num_kv_heads, head_dim)
         return grouped.index_select(1, heads).flatten(0, 1)
 
-    def _rows(self, per_request: torch.Tensor, num_heads: int) -> torch.Tensor:
-        return per_request.repeat_interleave(num_heads, output_size=per_request.numel() * num_heads)  # no sync
-
     def _rerank_stable(self, query: torch.Tensor, plan: AppendPlan) -> None:
         """Rerank every stable row with ``query [B * hs, G, D]`` over its full pages (the tail page is not read)."""
         page_size = self.settings.page_size
@@ -217,7 +214,7 @@ class FlexiLayer(CacheLayerMixin):
             return
         kmin, kmax = self.meta.rows(self.stable_index, width)
         scores = quest_page_scores(query, kmin, kmax, self.settings.group_reduce)
-        self.offloaded.rerank(scores, self._rows(full_pages, len(self.stable_heads)))
+        self.offloaded.rerank(scores, per_row(full_pages, len(self.stable_heads)))
 
     def decode(self, chunk: attention.StagedChunk, query: torch.Tensor, scale: float) -> torch.Tensor:
         """One decode token: append it, rerank the rows that are due, attend over each row's selected pages.
@@ -341,7 +338,7 @@ class FlexiLayer(CacheLayerMixin):
             slots[:, self.unstable_index, :width] = resident_slots.view(batch_size, -1, width)
             page_lens[:, self.unstable_index, :width] = resident_lens.view(batch_size, -1, width)
         if self.offloaded is not None:
-            stable_slots, stable_lens = self.offloaded.decode_pages(self._rows(last_page_len, len(self.stable_heads)))
+            stable_slots, stable_lens = self.offloaded.decode_pages(per_row(last_page_len, len(self.stable_heads)))
             slots[:, self.stable_index] = stable_slots.view(batch_size, -1, k)
             page_lens[:, self.stable_index] = stable_lens.view(batch_size, -1, k)
         return slots.flatten(0, 1), page_lens.flatten(0, 1)
@@ -355,7 +352,7 @@ class FlexiLayer(CacheLayerMixin):
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-K pages (sink and tail forced) of every unstable row: ``(slots, page_lens)``, ``[B * hu, k]``."""
         page_size, num_heads = self.settings.page_size, len(self.unstable_heads)
-        num_pages = self._rows((plan.after + page_size - 1) // page_size, num_heads)
+        num_pages = per_row((plan.after + page_size - 1) // page_size, num_heads)
         width = plan.max_pages_after
         if width <= self.settings.pages_per_head:  # every page fits in the budget: no scoring needed
             pages = torch.arange(width, device=query.device).expand(query.shape[0], width)
@@ -365,7 +362,7 @@ class FlexiLayer(CacheLayerMixin):
             scores = quest_page_scores(query, kmin, kmax, self.settings.group_reduce)
             pages, _ = select_pages(scores, num_pages, self.settings.pages_per_head, force_last=True)
         is_tail = pages == (num_pages - 1).unsqueeze(1)
-        page_lens = torch.where(is_tail, self._rows(last_page_len, num_heads).unsqueeze(1), page_size)
+        page_lens = torch.where(is_tail, per_row(last_page_len, num_heads).unsqueeze(1), page_size)
         page_lens = page_lens.masked_fill(pages < 0, 0)
         return self.resident.page_slots(pages), page_lens
 

@@ -20,7 +20,7 @@ import torch
 from flexicache.backends import triton_available
 from flexicache.paging import PagePool
 from flexicache.selection import select_pages
-from flexicache.sequence import AppendPlan, host_to_device
+from flexicache.sequence import AppendPlan, host_to_device, per_row
 
 
 @dataclass
@@ -117,9 +117,9 @@ class OffloadedPages:
         """``[n * h]`` rows (``b * h + head``) of requests ``batch [n]``."""
         return (batch.unsqueeze(1) * self.num_heads + torch.arange(self.num_heads, device=batch.device)).reshape(-1)
 
-    def _per_row(self, per_request: torch.Tensor) -> torch.Tensor:
-        """``[n * h]``: each value of ``per_request [n]`` repeated for the request's rows (no device sync)."""
-        return per_request.repeat_interleave(self.num_heads, output_size=per_request.numel() * self.num_heads)
+    def _host_page_index(self, batch: torch.Tensor, page: torch.Tensor) -> torch.Tensor:
+        """``[n * h]`` index into :meth:`_host_pages` of page ``page [n]`` of every row of requests ``batch [n]``."""
+        return self._rows_of(batch) * self.host.k.shape[2] + per_row(page, self.num_heads)
 
     def _tail_slots(self, batch: torch.Tensor) -> torch.Tensor:
         """``[n * h]`` tail slots of the rows of requests ``batch [n]``."""
@@ -162,7 +162,7 @@ class OffloadedPages:
         self.pool.k[target] = self.pool.k[tail_slots]
         self.pool.v[target] = self.pool.v[tail_slots]
         held = self.selected[rows, victim]
-        self.selected[rows, victim] = torch.where(evictable, self._per_row(page), held)
+        self.selected[rows, victim] = torch.where(evictable, per_row(page, self.num_heads), held)
         self.selected_scores[rows, victim] = torch.where(evictable, float("inf"), self.selected_scores[rows, victim])
 
     def tail_slots(self) -> torch.Tensor:
@@ -172,10 +172,8 @@ class OffloadedPages:
 
     def _offload_tails(self, batch: torch.Tensor, page: torch.Tensor, tail_slots: torch.Tensor) -> None:
         """Copy the tail slots ``[n * h]`` of requests ``batch [n]`` to host page ``page [n]`` (one per request)."""
-        rows = self._rows_of(batch)
-        host_pages = rows * self.host.k.shape[2] + self._per_row(page)
-        self._copy_pages(self._device_pages(), self._host_pages(), tail_slots, host_pages,
-                         torch.ones_like(rows, dtype=torch.bool))
+        self._copy_pages(self._device_pages(), self._host_pages(), tail_slots, self._host_page_index(batch, page),
+                         torch.ones_like(tail_slots, dtype=torch.bool))
         self.counters.bytes_d2h += self._page_bytes(batch.numel() * self.num_heads)
 
     def _device_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,10 +223,9 @@ class OffloadedPages:
                          self.host.k.shape[2])
             requests = host_to_device(nonempty, device)
             tail_page = (plan.after[requests] - 1) // self.page_size
-            copy_pages(self._host_pages(), self._device_pages(),
-                       self._rows_of(requests) * self.host.k.shape[2] + self._per_row(tail_page),
-                       self._tail_slots(requests), torch.ones(requests.numel() * self.num_heads, dtype=torch.int8,
-                                                              device=device))
+            tail_slots = self._tail_slots(requests)
+            copy_pages(self._host_pages(), self._device_pages(), self._host_page_index(requests, tail_page), tail_slots,
+                       torch.ones_like(tail_slots, dtype=torch.int8))
             self.counters.bytes_h2d += self._page_bytes(nonempty.numel() * self.num_heads)
             return
         batch_host, page_host, offset_host = plan.batch.cpu(), plan.page.cpu(), plan.offset.cpu()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from flexicache.sequence import AppendPlan
+from flexicache.sequence import AppendPlan, per_row
 
 
 def grow_dim(tensor: torch.Tensor, dim: int, size: int, fill: float | int | bool = 0) -> torch.Tensor:
@@ -130,7 +130,7 @@ class ResidentPages:
         """Write the chunk's real tokens (``[N, h, D]`` in plan order), opening the pages they start."""
         self.open_pages(plan)
         slots = self.table[plan.batch, :, plan.page].reshape(-1)  # [N * h]
-        offsets = plan.offset.repeat_interleave(self.num_heads)
+        offsets = per_row(plan.offset, self.num_heads)
         self.pool.k[slots, offsets] = new_keys.reshape(-1, new_keys.shape[-1]).to(self.pool.k.dtype)
         self.pool.v[slots, offsets] = new_values.reshape(-1, new_values.shape[-1]).to(self.pool.v.dtype)
 

@@ -74,6 +74,12 @@ def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+def per_row(per_request: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``[n * h]``: each value of ``per_request [n]`` repeated for its request's ``h`` rows (``b * h + head``); the
+    output size is given, so on CUDA this does not wait for the device."""
+    return per_request.repeat_interleave(num_heads, output_size=per_request.numel() * num_heads)
+
+
 class SequenceState:
     """Real-token bookkeeping of a batch: validity of logical positions and real-token counts per request.
 

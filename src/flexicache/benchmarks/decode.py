@@ -4,9 +4,9 @@ Each measurement fills the cache with random keys/values (no prefill forward), t
 ``--warmup`` steps (first-step set-up, JIT, the host tier's first growth) and ``--steps`` timed steps, each timed
 with a device synchronisation. With ``--decode-rounds N`` every point is measured N times, the systems taking
 turns in alternating order (a slow stretch of the host hits every system alike); a row's step statistics are
-over the pooled steps of its rounds, and ``round_p50_ms`` keeps each round's median. On CUDA, ``--profile-steps`` more steps run under the torch profiler for the device
-busy time (kernels + copies), so that host-bound steps show as ``step time >> device time`` (at the targets' batch,
-``--attention-batch``, only).
+over the pooled steps of its rounds, and ``round_p50_ms`` keeps each round's median. On CUDA, ``--profile-steps``
+more steps run under the torch profiler for the device busy time (kernels + copies), so that host-bound steps show
+as ``step time >> device time`` (at the targets' batch, ``--attention-batch``, only).
 
 The model has ``--layers`` decoder layers. Its loop cost is calibrated per batch size with DynamicCache at
 ``--loop-context`` on 1 and ``--layers`` layers: ``fixed`` (embedding, lm_head, sampling, generate's bookkeeping)

@@ -38,7 +38,8 @@ from flexicache.decode_graph import DecodeGraph
 from flexicache.offload import OffloadedPages
 from flexicache.sequence import SequenceState
 
-CALLEES = r"flexicache_attention_forward|\(decode\)|_decode_graphed|_prepare_token_slots|modeling_llama.py:\d+\(forward\)"
+CALLEES = (r"flexicache_attention_forward|\(decode\)|_decode_graphed|_prepare_token_slots"
+           r"|modeling_llama.py:\d+\(forward\)")
 
 
 # (owner, method name): the host-side parts of a decode step worth timing one by one
