@@ -51,6 +51,10 @@ EXPLANATIONS: dict[str, str] = {
     "bytes_h2d": "host -> device bytes: promoted pages + the tail page restored after a multi-token chunk",
     "bytes_d2h": "device -> host bytes: the prefill's bulk copy of the stable heads' KV + each page that fills "
                  "up during decode",
+    "step_graph_captures": "decode steps recorded as whole-step CUDA graphs (one per new key: batch shape, rerank "
+                           "phase, storage after a growth); 0 off the CUDA + FlashInfer path",
+    "step_graph_replays": "decode steps replayed from those graphs: the model's host work skipped (the rest ran "
+                          "eagerly)",
 }
 
 

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
@@ -38,6 +39,10 @@ def test_fused_rerank_matches_torch_rerank() -> None:
 
 def test_graph_path_replays_what_it_captured() -> None:
     run_interpreted("graph")
+
+
+def test_whole_step_graphs_replay_what_they_recorded() -> None:
+    run_interpreted("step")
 
 
 def tiny_model():
@@ -267,5 +272,124 @@ def check_graph() -> None:
     assert all(torch.equal(a, b) for a, b in zip(tokens["graph"], tokens["reference"]))
 
 
+class ExternalReads(TorchDispatchMode):
+    """Records every torch op of a forward with the storage of each tensor argument it did not produce itself
+    (weights, cache buffers, static inputs, per-step tensors made before the forward): a CUDA graph would bake
+    exactly these addresses in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.produced: set[int] = set()
+        self.reads: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        external = [(a.untyped_storage().data_ptr(), tuple(a.shape), a.stride())
+                    for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                    if torch.is_tensor(a) and a.untyped_storage().data_ptr() not in self.produced]
+        out = func(*args, **kwargs)
+        self.produced.update(t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves(out)
+                             if torch.is_tensor(t))
+        self.reads.append((str(func), external))
+        return out
+
+
+def host_state(flexi) -> list:
+    """The cache's host-side bookkeeping (what a graph replay cannot change)."""
+    state = [flexi.sequence.num_chunks, flexi.sequence.logical_length, flexi.sequence.num_tokens_host.tolist()]
+    for layer in flexi.layers:
+        state += [layer.logical_length, layer.committed_length, layer.num_chunks, layer.decode_steps,
+                  layer.unstable_counters.reranks, id(layer.plan)]
+        if layer.offloaded is not None:
+            state += [layer.offloaded.steps_since_rerank, layer.offloaded.counters.reranks,
+                      layer.offloaded.counters.bytes_d2h]
+    return state
+
+
+def check_step() -> None:
+    """Whole-step CUDA graphs emulated on CPU tensors (Triton kernels interpreted, FlashInfer replaced by the torch
+    stand-in). A "capture" runs the prepared step once and records every op's external reads; a "replay" runs the
+    recorded forward again and must read exactly the same storage (nothing per-step baked in) without changing any
+    host state (a real replay runs no Python). Through left padding, reranks at every phase, promotions, tail
+    retirements, growth (re-recording), a crop and a continued generate, the tokens must equal the torch reference
+    path's."""
+    from flexicache import FlexiCache, HeadProfile, cache, decode_graph, step_graph
+
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    problems: list = []
+
+    class EmulatedGraph:
+        def __init__(self, run_forward, flexi, reads) -> None:
+            self.run_forward, self.flexi, self.reads, self.recorded = run_forward, flexi, reads, None
+
+        def replay(self) -> None:
+            before = host_state(self.flexi)
+            with ExternalReads() as mode, self.flexi.recording():
+                self.recorded.output = self.run_forward()
+            if mode.reads != self.reads:
+                problems.append(next((i, a, b) for i, (a, b) in enumerate(zip(mode.reads, self.reads)) if a != b))
+            if host_state(self.flexi) != before:
+                problems.append(("host state changed", before, host_state(self.flexi)))
+
+    def record(self, store, key, flexi, kwargs, tensors):
+        inputs = {name: tensor.clone() for name, tensor in tensors.items()}
+        static_kwargs = {**kwargs, **inputs}
+        before = host_state(flexi)
+        with ExternalReads() as mode, flexi.recording():
+            output = self.eager_forward(**static_kwargs)
+        assert host_state(flexi) == before
+        graph = EmulatedGraph(lambda: self.eager_forward(**static_kwargs), flexi, mode.reads)
+        store.steps[key] = graph.recorded = step_graph.RecordedStep(graph, inputs, output)
+        store.captures += 1
+        return output
+
+    model = tiny_model()
+    profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
+    ids, mask = padded_batch()
+    original = (cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run,
+                cache.FlexiCache.graphed_step_ready, step_graph.StepGraphs._record)
+
+    def lazy_initialization(self, keys, values):
+        original[1](self, keys, values)
+        self.fused_table = True
+        if self.offloaded is not None:
+            self.offloaded.zero_copy = True
+            self.offloaded.counters.promoted_pages = torch.zeros((), dtype=torch.long)
+            self.offloaded.counters.bytes_h2d = torch.zeros((), dtype=torch.long)
+
+    def graphed_step_ready(self):  # the CUDA device check left out
+        return self.settings.cuda_graphs and all(layer.graphed_step_ready() for layer in self.layers)
+
+    tokens, stats = {}, {}
+    for mode in ("step graphs", "reference"):
+        if mode == "step graphs":
+            cache.resolve_backend = lambda name, device: FlashInferStandIn([])
+            cache.FlexiLayer.lazy_initialization = lazy_initialization
+            decode_graph.DecodeGraph.run = lambda self, launch, storage_key: (launch(), self.output)[1]
+            cache.FlexiCache.graphed_step_ready = graphed_step_ready
+            step_graph.StepGraphs._record = record
+        else:
+            (cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run,
+             cache.FlexiCache.graphed_step_ready, step_graph.StepGraphs._record) = original
+        flexi = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4)
+        with torch.inference_mode():
+            first = model.generate(ids, attention_mask=mask, past_key_values=flexi, max_new_tokens=40, do_sample=False)
+            flexi.crop(-9)
+            more = torch.cat([first[:, :-9], torch.randint(0, 512, (3, 7), generator=torch.Generator().manual_seed(1))],
+                             dim=1)
+            more_mask = torch.cat([mask, torch.ones(3, more.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+            second = model.generate(more, attention_mask=more_mask, past_key_values=flexi, max_new_tokens=30,
+                                    do_sample=False)
+        tokens[mode], stats[mode] = (first, second), flexi.stats()
+    graphed = stats["step graphs"]
+    assert not problems, problems[:1]
+    assert graphed["step_graph_replays"] >= 30 and 4 <= graphed["step_graph_captures"] <= 30, graphed
+    assert graphed["promoted_pages"] > 0 and graphed["reranks_stable"] == stats["reference"]["reranks_stable"]
+    assert graphed["decode_steps"] == stats["reference"]["decode_steps"]
+    assert all(torch.equal(a, b) for a, b in zip(tokens["step graphs"], tokens["reference"]))
+
+
 if __name__ == "__main__":
-    {"table": check_table, "transfers": check_transfers, "rerank": check_rerank, "graph": check_graph}[sys.argv[1]]()
+    checks = {"table": check_table, "transfers": check_transfers, "rerank": check_rerank, "graph": check_graph,
+              "step": check_step}
+    checks[sys.argv[1]]()

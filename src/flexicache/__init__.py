@@ -7,8 +7,10 @@ from flexicache.attention import register as _register_attention
 from flexicache.cache import FlexiCache, FlexiLayer
 from flexicache.config import FlexiCacheConfig
 from flexicache.profile import HeadProfile
+from flexicache.step_graph import disable_step_graphs, enable_step_graphs
 
 _register_attention()
 
-__all__ = ["FlexiCache", "FlexiCacheConfig", "FlexiLayer", "HeadProfile"]
+__all__ = ["FlexiCache", "FlexiCacheConfig", "FlexiLayer", "HeadProfile", "disable_step_graphs",
+           "enable_step_graphs"]
 __version__ = "0.1.0"

@@ -8,7 +8,9 @@ step; stable heads keep only their selected pages plus the tail page on the devi
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -24,6 +26,7 @@ from flexicache.paging import PageMetadata, PagePool, ResidentPages, chunk_token
 from flexicache.profile import HeadProfile, model_shape
 from flexicache.selection import quest_page_scores, select_pages
 from flexicache.sequence import AppendPlan, SequenceState, host_to_device, per_row
+from flexicache.step_graph import StepGraphStore, enable_step_graphs
 
 if TYPE_CHECKING:
     from flexicache.backends.triton_select import TableInputs
@@ -47,6 +50,7 @@ class FlexiLayer(CacheLayerMixin):
         self.unstable_heads = list(unstable_heads)
         self.stable_heads = [head for head in range(num_kv_heads) if head not in set(unstable_heads)]
         self.sequence = sequence
+        self.recording = False  # True while a whole-step graph records a forward (FlexiCache.recording)
         self._clear()
 
     def _clear(self) -> None:
@@ -59,6 +63,7 @@ class FlexiLayer(CacheLayerMixin):
         self.offloaded: OffloadedPages | None = None
         self.unstable_counters = TransferCounters()
         self.decode_steps = 0
+        self.scale: float | None = None  # the attention's softmax scale, seen at the first decode step
 
     # ------------------------------------------------------------------------------------------ storage set-up
 
@@ -107,6 +112,10 @@ class FlexiLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.recording:  # a whole-step graph capture: begin_graphed_step did this step's bookkeeping
+            attention.stage(attention.StagedChunk(self, self.layer_idx, key_states, value_states,
+                                                  self.logical_length - 1))
+            return key_states, value_states
         start = self.logical_length
         attention.stage(attention.StagedChunk(self, self.layer_idx, key_states, value_states, start))
         self.logical_length += key_states.shape[2]
@@ -141,7 +150,10 @@ class FlexiLayer(CacheLayerMixin):
         plan = self.sequence.plan_chunk(self.num_chunks, real_tokens, keys.shape[0], keys.shape[2], self.device)
         self.append(keys, values, plan)
         if self.offloaded is not None:
-            self._rerank_stable(self._group_queries(query[:, :, -1], self.stable_index), plan)
+            width = self._full_page_width(plan)
+            if width:
+                self._rerank_stable(self._group_queries(query[:, :, -1], self.stable_index), plan.after, width)
+                self.offloaded.counters.reranks += self.offloaded.num_rows
             # Stagger: layer l reranks at decode steps where (step + l) % interval == 0, so no step pays them all.
             self.offloaded.steps_since_rerank = self.layer_idx % self.settings.rerank_interval
 
@@ -204,17 +216,40 @@ class FlexiLayer(CacheLayerMixin):
         grouped = query.view(batch_size, self.num_kv_heads, num_query_heads // self.num_kv_heads, head_dim)
         return grouped.index_select(1, heads).flatten(0, 1)
 
-    def _rerank_stable(self, query: torch.Tensor, plan: AppendPlan) -> None:
-        """Rerank every stable row with ``query [B * hs, G, D]`` over its full pages (the tail page is not read)."""
-        page_size = self.settings.page_size
-        full_pages = (plan.after - 1).clamp(min=0) // page_size
-        width = int((plan.after_host - 1).clamp(min=0).max()) // page_size
-        if width == 0:
-            self.offloaded.steps_since_rerank = 0
-            return
+    def _full_page_width(self, plan: AppendPlan) -> int:
+        """Full pages of the longest request after ``plan`` (the score width a stable rerank needs)."""
+        return int((plan.after_host - 1).clamp(min=0).max()) // self.settings.page_size
+
+    def _rerank_stable(self, query: torch.Tensor, num_tokens: torch.Tensor, width: int) -> None:
+        """Rerank every stable row with ``query [B * hs, G, D]`` over its full pages (the tail page is not read).
+
+        Device work only. ``num_tokens``: ``[B]`` real tokens per request (device); ``width``: pages scored per
+        row, at least the longest row's full pages (columns beyond a row's full pages are ignored).
+        """
+        full_pages = (num_tokens - 1).clamp(min=0) // self.settings.page_size
         kmin, kmax = self.meta.rows(self.stable_index, width)
         scores = quest_page_scores(query, kmin, kmax, self.settings.group_reduce)
         self.offloaded.rerank(scores, per_row(full_pages, len(self.stable_heads)))
+
+    def _start_decode_step(self, plan: AppendPlan) -> int:
+        """Host side of a decode step before its token is written: retire full stable tails, open pages, count.
+
+        Returns the score width of this step's stable rerank (``0``: none due, or no full page yet).
+        """
+        self._prepare_token_slots(plan)
+        self.decode_steps += 1
+        if self.resident is not None:
+            self.unstable_counters.reranks += self.batch_size * len(self.unstable_heads)
+        if self.offloaded is None:
+            return 0
+        self.offloaded.steps_since_rerank += 1
+        if self.offloaded.steps_since_rerank < self.settings.rerank_interval:
+            return 0
+        self.offloaded.steps_since_rerank = 0
+        width = self._full_page_width(plan)
+        if width:
+            self.offloaded.counters.reranks += self.offloaded.num_rows
+        return width
 
     def decode(self, chunk: attention.StagedChunk, query: torch.Tensor, scale: float) -> torch.Tensor:
         """One decode token: append it, rerank the rows that are due, attend over each row's selected pages.
@@ -230,24 +265,64 @@ class FlexiLayer(CacheLayerMixin):
             ``[B, 1, Hq, D]``.
         """
         batch_size, num_query_heads, _, head_dim = query.shape
-        plan = self.sequence.plan_chunk(self.num_chunks, None, batch_size, 1, self.device)
-        self._prepare_token_slots(plan)
         rows_query = query.reshape(batch_size * self.num_kv_heads, num_query_heads // self.num_kv_heads, head_dim)
-        self.decode_steps += 1
-        if self.resident is not None:
-            self.unstable_counters.reranks += batch_size * len(self.unstable_heads)
-        if self.offloaded is not None:  # reads full pages only, so it may run before the token is written
-            self.offloaded.steps_since_rerank += 1
-            if self.offloaded.steps_since_rerank >= self.settings.rerank_interval:
-                self._rerank_stable(self._group_queries(query[:, :, 0], self.stable_index), plan)
+        if self.recording:
+            output = self._record_decode(chunk, query, rows_query)
+            return output.view(batch_size, num_query_heads, head_dim).unsqueeze(1)
+        self.scale = scale
+        plan = self.sequence.plan_chunk(self.num_chunks, None, batch_size, 1, self.device)
+        rerank_width = self._start_decode_step(plan)
+        if rerank_width:  # reads full pages only, so it may run before the token is written
+            self._rerank_stable(self._group_queries(query[:, :, 0], self.stable_index), plan.after, rerank_width)
         keys, values = chunk.keys[:, :, 0], chunk.values[:, :, 0]
         if self._graph_ready(rows_query):
-            output = self._decode_graphed(keys, values, rows_query, plan, scale)
+            output = self._decode_graphed(keys, values, rows_query, plan)
         else:
             self._write_token(keys, values, plan)
             output = self._decode_eager(rows_query, plan, scale)
         self._advance(plan, 1)
         return output.view(batch_size, num_query_heads, head_dim).unsqueeze(1)
+
+    # ---------------------------------------------------------------------------------- whole-step CUDA graphs
+
+    def graphed_step_ready(self) -> bool:
+        """Whether this layer's next decode step can be recorded into a whole-step CUDA graph: it ran a decode
+        step on the CUDA graph path before (static buffers, scale and compiled kernels exist)."""
+        return (self.is_initialized and self.graph is not None and self.scale is not None
+                and self._fused_table_fits() and self.settings.cuda_graphs
+                and (self.offloaded is None or self.offloaded.zero_copy))  # torch transfers wait for the device
+
+    def begin_graphed_step(self) -> tuple:
+        """Host side of a decode step whose device work a whole-step graph replays (:mod:`flexicache.step_graph`).
+
+        Does what ``update`` and :meth:`decode` do on the host (token counts, tail retirement, page opening,
+        counters, the FlashInfer plan, the step's static inputs) and prepares :meth:`_record_decode`.
+
+        Returns:
+            The key of the recorded work: whether the stable heads rerank, and the storage it reads.
+        """
+        plan = self.sequence.plan_chunk(self.num_chunks, None, self.batch_size, 1, self.device)
+        self.logical_length += 1
+        self._recorded_rerank = self._start_decode_step(plan) > 0
+        self._recorded_launch, storage_key = self._graph_step(plan)
+        self._advance(plan, 1)
+        if self.offloaded is not None:  # what the rerank reads and writes besides the launch's storage
+            offloaded = self.offloaded
+            storage_key += tuple((t.data_ptr(), t.shape) for t in (
+                offloaded.host.k, offloaded.host.v, offloaded.selected, offloaded.selected_scores))
+        return self._recorded_rerank, storage_key
+
+    def _record_decode(self, chunk: attention.StagedChunk, query: torch.Tensor, rows_query: torch.Tensor
+                       ) -> torch.Tensor:
+        """The device work of a decode step prepared by :meth:`begin_graphed_step`, host-state free: every
+        per-step value comes from static buffers, so a graph of it replays correctly at later steps."""
+        if self._recorded_rerank:  # scores the metadata's whole capacity: a width that does not change per step
+            num_tokens = self.step_inputs[self.device].num_tokens
+            self._rerank_stable(self._group_queries(query[:, :, 0], self.stable_index), num_tokens,
+                                self.meta.kmin.shape[2])
+        self.graph.load(chunk.keys[:, :, 0], chunk.values[:, :, 0], rows_query)
+        self._recorded_launch()
+        return self.graph.output
 
     def _graph_ready(self, rows_query: torch.Tensor) -> bool:
         """Whether this step runs through the :class:`DecodeGraph` path (built here at the first such step)."""
@@ -259,16 +334,22 @@ class FlexiLayer(CacheLayerMixin):
         return True
 
     def _decode_graphed(self, keys: torch.Tensor, values: torch.Tensor, rows_query: torch.Tensor,
-                        plan: AppendPlan, scale: float) -> torch.Tensor:
+                        plan: AppendPlan) -> torch.Tensor:
+        launch, storage_key = self._graph_step(plan)
+        self.graph.load(keys, values, rows_query)
+        return self.graph.run(launch, storage_key)
+
+    def _graph_step(self, plan: AppendPlan) -> tuple[Callable[[], None], tuple]:
+        """This step's device work over the layer's :class:`DecodeGraph` buffers (token append, scoring,
+        selection, sparse FlashInfer decode) and the key of the storage it reads; plans the step (once per step)."""
         from flexicache.backends.triton_select import append_token, decode_table, scores_buffer
 
         graph, pages_per_head = self.graph, self.settings.pages_per_head
-        planned = self.backend.prepare(self._decode_layout(plan), rows_query.shape[1], self.head_dim,
-                                       self.settings.page_size, pages_per_head, self.dtype, scale)
+        planned = self.backend.prepare(self._decode_layout(plan), graph.query.shape[1], self.head_dim,
+                                       self.settings.page_size, pages_per_head, self.dtype, self.scale)
         if self.device not in self.step_inputs:
             self.step_inputs[self.device] = StepInputs(self.batch_size, self.device)
         step = self.step_inputs[self.device].load(plan)
-        graph.load(keys, values, rows_query)
         inputs = self._table_inputs(graph.query, step.num_tokens)
         if graph.scores is None or graph.scores.shape[1] < inputs.kmin.shape[2]:
             graph.scores = scores_buffer(inputs)
@@ -281,8 +362,7 @@ class FlexiLayer(CacheLayerMixin):
             self.backend.run_prepared(planned, graph.query, self.pool.k, self.pool.v, out=graph.output)
 
         storage = (self.pool.k, self.pool.v, inputs.kmin, inputs.kmax, inputs.table, inputs.selected, scores)
-        storage_key = (planned, *((t.data_ptr(), t.shape) if t is not None else None for t in storage))
-        return graph.run(launch, storage_key)
+        return launch, (planned, *((t.data_ptr(), t.shape) if t is not None else None for t in storage))
 
     def _decode_eager(self, rows_query: torch.Tensor, plan: AppendPlan, scale: float) -> torch.Tensor:
         """Build the ``[B * H, K]`` table (fused Triton kernels on CUDA, else torch) and run the backend."""
@@ -493,6 +573,7 @@ class FlexiCache(DynamicCache):
             for index in range(num_layers)
         ]
         Cache.__init__(self, layers=layers)
+        self.step_graphs = StepGraphStore()  # whole-step CUDA graphs of this cache (flexicache.step_graph)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, profile: HeadProfile | str | os.PathLike | None = None,
@@ -503,6 +584,8 @@ class FlexiCache(DynamicCache):
         cache = cls(config, profile=profile, **settings)  # validate first: bad input leaves the model as is
         if model.config._attn_implementation != attention.ATTENTION_NAME:
             model.set_attn_implementation(attention.ATTENTION_NAME)
+        if cache.settings.cuda_graphs:
+            enable_step_graphs(model)
         return cache
 
     # ----------------------------------------------------------------------------------------- cache protocol
@@ -514,7 +597,34 @@ class FlexiCache(DynamicCache):
                 torch.cuda.synchronize(layer.device)
         self.sequence.reset()
         self.step_inputs.clear()
+        self.step_graphs.clear()
         super().reset()
+
+    # ------------------------------------------------------------------------------- whole-step CUDA graphs
+
+    def graphed_step_ready(self) -> bool:
+        """Whether the next decode step's device work can run from a whole-step CUDA graph: every layer on one
+        CUDA device ran a decode step on the CUDA graph path (FlashInfer + Triton) already."""
+        layers = self.layers
+        return (self.settings.cuda_graphs and all(layer.graphed_step_ready() for layer in layers)
+                and layers[0].device.type == "cuda" and all(layer.device == layers[0].device for layer in layers))
+
+    def begin_graphed_step(self) -> tuple:
+        """Host side of the next decode step (all layers); its device work must then run from a graph recorded
+        under :meth:`recording`. Returns the key of that work (reranking layers and the storage it reads)."""
+        return tuple(layer.begin_graphed_step() for layer in self.layers)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """While a forward of the step prepared by :meth:`begin_graphed_step` is recorded (or run once): layers
+        only launch device work and change no host state."""
+        for layer in self.layers:
+            layer.recording = True
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.recording = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError(
@@ -575,7 +685,8 @@ class FlexiCache(DynamicCache):
         capacity included),
         ``host_kv_bytes`` (stable heads' pages in the host tier), ``host_reserved_bytes``, ``dense_kv_bytes``
         (what DynamicCache would hold), ``reranks_unstable``/``reranks_stable`` (rows reranked: one row is one
-        request x one KV head), ``promoted_pages``, ``bytes_h2d``/``bytes_d2h``, ``decode_steps``, ``backend``.
+        request x one KV head), ``promoted_pages``, ``bytes_h2d``/``bytes_d2h``, ``decode_steps``, ``backend``,
+        ``step_graph_captures``/``step_graph_replays`` (decode steps recorded / replayed as whole-step CUDA graphs).
         """
         totals: dict[str, Any] = {}
         for layer in self.layers:
@@ -585,6 +696,8 @@ class FlexiCache(DynamicCache):
         totals["decode_steps"] = first.decode_steps
         backends = sorted({layer.backend.name for layer in self.layers if layer.is_initialized})
         totals["backend"] = ",".join(backends) if backends else None  # e.g. "flashinfer,reference" on GPU + CPU
+        totals["step_graph_captures"] = self.step_graphs.captures
+        totals["step_graph_replays"] = self.step_graphs.replays
         totals["unstable_heads"] = len(self.profile.unstable_heads)
         totals["token_budget"] = self.settings.token_budget
         return totals

@@ -82,20 +82,21 @@ class DecodeGraph:
             return self.output
         launch()  # this step's work; also compiles the kernels before any capture
         if self.capture:
-            self._graph = _capture(launch, self.output.device)
+            self._graph = capture(launch, self.output.device)  # a private pool: the kernels allocate nothing
             self._storage_key = storage_key
             self.captures += 1
         return self.output
 
 
-def _capture(launch: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
-    """Record ``launch`` on a side stream (nothing runs) and order the current stream after it."""
+def capture(launch: Callable[[], None], device: torch.device, pool: tuple | None = None) -> torch.cuda.CUDAGraph:
+    """Record ``launch`` on a side stream (nothing runs) and order the current stream after it; ``pool``: a memory
+    pool shared with other graphs (``None``: a private one)."""
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream(device)
-    stream = _capture_stream(device)
+    stream = capture_stream(device)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
-        graph.capture_begin()  # a private pool: the kernels allocate nothing, so it stays empty
+        graph.capture_begin(pool=pool)
         try:
             launch()
         finally:
@@ -107,7 +108,8 @@ def _capture(launch: Callable[[], None], device: torch.device) -> torch.cuda.CUD
 _streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream graphs of ``device`` are captured on (and warmed up on, where they need it)."""
     if device not in _streams:
         _streams[device] = torch.cuda.Stream(device)
     return _streams[device]

@@ -103,6 +103,9 @@ class OffloadedPages:
         self.counters = TransferCounters()
         self.steps_since_rerank = 0
         self.zero_copy = device.type == "cuda" and triton_available()
+        if self.zero_copy:  # counted on the device, in place (a whole-step CUDA graph replays the additions)
+            self.counters.promoted_pages = torch.zeros((), dtype=torch.long, device=device)
+            self.counters.bytes_h2d = torch.zeros((), dtype=torch.long, device=device)
 
     @property
     def num_rows(self) -> int:
@@ -244,12 +247,12 @@ class OffloadedPages:
     def rerank(self, scores: torch.Tensor, num_full_pages: torch.Tensor) -> None:
         """Select the top ``K - 1`` full pages (sink forced) and copy only the newly promoted ones to the device.
 
+        Device work only, no host state changes (the caller counts reranks): a CUDA graph may record it.
+
         Args:
             scores: ``[B * h, P]`` page scores (``P`` >= the longest row's full pages).
             num_full_pages: ``[B * h]`` full pages of each row (all pages but the tail).
         """
-        self.counters.reranks += self.num_rows
-        self.steps_since_rerank = 0
         if self.zero_copy:
             from flexicache.backends.triton_rerank import fits_fused_rerank, rerank_rows
 
@@ -288,12 +291,18 @@ class OffloadedPages:
         self.selected.copy_(selected)  # in place: captured decode graphs read this storage
         page_scores = scores.gather(1, selected.clamp(min=0)).to(self.selected_scores.dtype)
         page_scores = page_scores.masked_fill(selected == 0, float("inf"))
-        self.selected_scores = page_scores.masked_fill(selected < 0, float("-inf"))
+        self.selected_scores.copy_(page_scores.masked_fill(selected < 0, float("-inf")))
 
     def _count_promotions(self, count: torch.Tensor) -> None:
-        """Add ``count`` (a device tensor: no sync) promoted pages to the counters."""
-        self.counters.promoted_pages = self.counters.promoted_pages + count
-        self.counters.bytes_h2d = self.counters.bytes_h2d + count * self._page_bytes(1)
+        """Add ``count`` (a device tensor: no sync) promoted pages to the counters (in place on the zero-copy path:
+        a whole-step CUDA graph replays the additions)."""
+        count, counters = count.view(()), self.counters
+        if self.zero_copy:
+            counters.promoted_pages.add_(count)
+            counters.bytes_h2d.add_(count * self._page_bytes(1))
+        else:
+            counters.promoted_pages = counters.promoted_pages + count
+            counters.bytes_h2d = counters.bytes_h2d + count * self._page_bytes(1)
 
     @staticmethod
     def _membership(pages: torch.Tensor, width: int) -> torch.Tensor:

@@ -25,6 +25,8 @@ OPTIONS: dict[str, tuple[type, str | None, str]] = {
     "layers": (int, None, "decoder layers actually run (full-depth numbers are extrapolated per layer)"),
     "dtype": (str, None, "float32, bfloat16 or float16"),
     "backend": (str, None, "FlexiCache decode backend: auto, reference, flashinfer"),
+    "cuda_graphs": (str, None, ("FlexiCache CUDA graphs: step (whole decode steps replayed), layer (each layer's "
+                                "decode replayed, the model's host work eager), off")),
     "cases": (str, "+", ("cases to run (always in this order): memory decode attention rerank throughput mix; "
                         "attention (dense FlashInfer baseline, CUDA) is not in the presets")),
     "time_budget": (float, None, "seconds for the whole run (0: unlimited); measurements past it are skipped"),
@@ -106,6 +108,8 @@ def settings_from(args: argparse.Namespace) -> Any:
         unknown = sorted(set(settings.cases) - set(CASES))
         if unknown:
             raise ValueError(f"unknown cases {unknown}: choose from {list(CASES)}")
+        if settings.cuda_graphs not in ("step", "layer", "off"):
+            raise ValueError(f"--cuda-graphs must be step, layer or off, got {settings.cuda_graphs!r}")
         names = {*settings.memory_systems, *settings.decode_systems, *settings.throughput_systems,
                  *settings.mix_systems}
         budgets = {settings.budget} | {System(name).budget for name in names} - {None}

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, Cache, StoppingCriteria, StoppingCriteriaList
 
-from flexicache import FlexiCache
+from flexicache import FlexiCache, enable_step_graphs
 from flexicache.attention import flexicache_attention_forward
 
 BYTE_KEYS = ("device_kv_bytes", "device_metadata_bytes", "device_reserved_bytes", "host_kv_bytes",
@@ -21,12 +21,15 @@ BYTE_KEYS = ("device_kv_bytes", "device_metadata_bytes", "device_reserved_bytes"
 COUNTER_KEYS = ("reranks_stable", "reranks_unstable", "promoted_pages", "bytes_h2d", "bytes_d2h")
 
 
-def build_model(config: Any, device: torch.device, dtype: torch.dtype, seed: int) -> Any:
-    """A random-weight causal LM of ``config``, built directly on ``device`` in ``dtype``, in eval mode."""
+def build_model(config: Any, device: torch.device, dtype: torch.dtype, seed: int, step_graphs: bool = True) -> Any:
+    """A random-weight causal LM of ``config``, built directly on ``device`` in ``dtype``, in eval mode; with
+    ``step_graphs``, FlexiCache decode steps replay as whole-step CUDA graphs (other caches are unaffected)."""
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.eval()
+    if step_graphs:
+        enable_step_graphs(model)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     return model

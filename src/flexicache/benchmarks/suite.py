@@ -116,7 +116,8 @@ class System:
                                   [(layer, head) for layer in range(num_layers) for head in range(num_kv_heads)])
             budget = self.budget if self.kind == "quest" else page * math.ceil((tokens + page) / page)
         return FlexiCache(config, profile=profile, token_budget=budget, page_size=page,
-                          rerank_interval=settings.rerank_interval, backend=settings.backend)
+                          rerank_interval=settings.rerank_interval, backend=settings.backend,
+                          cuda_graphs=settings.cuda_graphs != "off")
 
 
 def systems(names: list[str]) -> list[System]:
@@ -135,6 +136,7 @@ class Settings:
     layers: int = 2
     dtype: str = "float32"
     backend: str = "auto"
+    cuda_graphs: str = "step"  # FlexiCache on CUDA: "step" (whole decode steps), "layer" (each layer's), "off"
     page_size: int = 16
     rerank_interval: int = 16
     unstable_fraction: float = 0.25
@@ -301,7 +303,7 @@ class Suite:
         layers = layers or self.settings.layers
         if (name, layers) not in self.models:
             self.models[(name, layers)] = build_model(model_config(name, layers), self.device, self.dtype,
-                                                      self.settings.seed)
+                                                      self.settings.seed, self.settings.cuda_graphs == "step")
         return self.models[(name, layers)]
 
     def memoised(self, key: tuple, compute: Callable[[], Any]) -> Any:

@@ -1,0 +1,152 @@
+"""Whole decode steps of a model with a FlexiCache replayed as CUDA graphs.
+
+transformers issues a decode step as thousands of small kernel launches from Python: for an 8B-shaped model about
+30 ms of host time per step, more than the GPU needs for the step at a long context with FlexiCache. With
+:func:`enable_step_graphs` (``FlexiCache.from_model`` calls it), a decode step (one new token per request) on a
+FlexiCache whose layers all run the CUDA path goes:
+
+1. the cache's host bookkeeping for the step (:meth:`FlexiCache.begin_graphed_step`: token counts, tail page
+   retirement, page opening, counters, the FlashInfer plan, the static per-step inputs);
+2. the step's inputs (``input_ids``, ``position_ids``, ...) copied into static buffers, then one replay of a CUDA
+   graph of the whole forward.
+
+A graph is recorded for every new key: the shapes of the inputs, the other arguments, which layers rerank their
+stable heads at this step (``rerank_interval`` phases) and the storage of every buffer the recorded work reads
+(anything that reallocates, e.g. a page pool that grows, drops the cache's graphs and records again). At a step
+with a new key the forward runs once eagerly (the step's real work) and is then captured for the later steps.
+The ``attention_mask`` is not passed to the recorded forward (its width grows every step): at decode the
+flexicache attention takes padding from the cache, not from the mask. Every other call (prefill, another cache,
+layers on the CPU or on several GPUs, ``cuda_graphs=False``) runs the model's forward unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from flexicache.decode_graph import capture, capture_stream
+
+if TYPE_CHECKING:
+    from flexicache.cache import FlexiCache
+
+
+@dataclass
+class RecordedStep:
+    """A captured decode step: its graph, the static inputs it reads and the output it writes."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    output: Any
+
+
+class StepGraphStore:
+    """One cache's recorded steps, keyed by :func:`_step_key`; all for one storage layout of the cache."""
+
+    def __init__(self) -> None:
+        self.steps: dict[tuple, RecordedStep] = {}
+        self.storage: tuple | None = None
+        self.pool: tuple | None = None  # one memory pool shared by the graphs (replayed one at a time)
+        self.captures = 0
+        self.replays = 0
+
+    def clear(self) -> None:
+        """Drop every graph (their storage is gone: cache reset, rebuild or growth)."""
+        self.steps.clear()
+        self.storage = None
+        self.pool = None
+
+
+class StepGraphs:
+    """A model's ``forward`` that replays FlexiCache decode steps from CUDA graphs (see the module docstring)."""
+
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        self.eager_forward = forward
+        functools.update_wrapper(self, forward)  # generate() inspects the forward's signature
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cache = _flexicache_of(kwargs)
+        input_ids = kwargs.get("input_ids")
+        if (args or cache is None or input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1
+                or kwargs.get("inputs_embeds") is not None or not cache.graphed_step_ready()):
+            return self.eager_forward(*args, **kwargs)
+        kwargs = {name: value for name, value in kwargs.items() if name != "attention_mask"}
+        tensors = {name: value for name, value in kwargs.items() if torch.is_tensor(value)}
+        others = tuple(sorted((name, value) for name, value in kwargs.items()
+                              if not torch.is_tensor(value) and value is not cache))
+        try:
+            hash(others)
+        except TypeError:  # an argument we cannot key a graph on: run this step eagerly
+            return self.eager_forward(**kwargs)
+        rerank, storage = zip(*cache.begin_graphed_step())
+        store = cache.step_graphs
+        if storage != store.storage:  # something reallocated: the recorded graphs read freed memory
+            store.clear()
+            store.storage = storage
+        layout = tuple((name, tensor.shape, tensor.dtype, tensor.device) for name, tensor in sorted(tensors.items()))
+        key = (id(self), layout, others, rerank)
+        recorded = store.steps.get(key)
+        if recorded is None:
+            return self._record(store, key, cache, kwargs, tensors)
+        for name, tensor in tensors.items():
+            recorded.inputs[name].copy_(tensor)
+        recorded.graph.replay()
+        store.replays += 1
+        return _detached(recorded.output)
+
+    def _record(self, store: StepGraphStore, key: tuple, cache: FlexiCache, kwargs: dict[str, Any],
+                tensors: dict[str, torch.Tensor]) -> Any:
+        """Run the prepared step once eagerly on the capture stream (the step's work, whose output is returned;
+        it also warms that stream up, e.g. cuBLAS), then capture the same forward for the later steps."""
+        inputs = {name: tensor.clone() for name, tensor in tensors.items()}
+        static_kwargs = {**kwargs, **inputs}
+        device = next(iter(inputs.values())).device
+        if store.pool is None:
+            store.pool = torch.cuda.graph_pool_handle()
+        current, stream = torch.cuda.current_stream(device), capture_stream(device)
+        outputs: list[Any] = []
+        with cache.recording():
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                output = self.eager_forward(**static_kwargs)
+            current.wait_stream(stream)
+            graph = capture(lambda: outputs.append(self.eager_forward(**static_kwargs)), device, pool=store.pool)
+        store.steps[key] = RecordedStep(graph, inputs, outputs[0])
+        store.captures += 1
+        return output
+
+
+def _flexicache_of(kwargs: dict[str, Any]) -> FlexiCache | None:
+    from flexicache.cache import FlexiCache
+
+    return next((value for value in kwargs.values() if isinstance(value, FlexiCache)), None)
+
+
+def _detached(output: Any) -> Any:
+    """A copy of a recorded output whose tensors the next replay does not overwrite."""
+    fields = {name: value.clone() if torch.is_tensor(value) else value for name, value in output.items()}
+    return type(output)(**fields)
+
+
+def enable_step_graphs(model: torch.nn.Module) -> StepGraphs:
+    """Make ``model.forward`` replay FlexiCache decode steps from CUDA graphs (idempotent); returns the wrapper.
+
+    Calls without a FlexiCache, prefill chunks and caches that cannot record (CPU, several devices,
+    ``cuda_graphs=False``) run the original forward. :func:`disable_step_graphs` restores it.
+    """
+    if not isinstance(model.forward, StepGraphs):
+        model.forward = StepGraphs(model.forward)
+    return model.forward
+
+
+def disable_step_graphs(model: torch.nn.Module) -> None:
+    """Undo :func:`enable_step_graphs`: the forward ``model`` had before (its class's, or a hook's) again."""
+    if isinstance(model.forward, StepGraphs):
+        original = model.forward.eager_forward
+        if getattr(original, "__func__", None) is type(model).forward and original.__self__ is model:
+            del model.forward
+        else:
+            model.forward = original

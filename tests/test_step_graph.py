@@ -1,0 +1,49 @@
+"""Whole-step CUDA graph wrapper (flexicache.step_graph) off the GPU: installed by from_model, transparent where it
+cannot record, removable. Its recording logic is checked on the CPU in test_triton_interpreted.py (emulated
+graphs) and on the GPU in test_gpu_flashinfer.py (real graphs against eager generation)."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from flexicache import FlexiCache, disable_step_graphs, enable_step_graphs
+from flexicache.step_graph import StepGraphs
+
+
+def tiny_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return LlamaForCausalLM(config).eval()
+
+
+def generate(model, cache, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=12,
+                              do_sample=False)
+
+
+def test_from_model_installs_a_transparent_wrapper_and_disable_restores_the_forward() -> None:
+    model = tiny_model()
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    cache = FlexiCache.from_model(model, token_budget=32)
+    assert isinstance(model.forward, StepGraphs)
+    assert "input_ids" in inspect.signature(model.forward).parameters  # generate() reads the forward's signature
+    wrapped = generate(model, cache, ids)
+    assert cache.stats()["step_graph_replays"] == cache.stats()["step_graph_captures"] == 0  # CPU: eager steps
+    dynamic = generate(model, DynamicCache(config=model.config), ids)  # other caches pass through
+    disable_step_graphs(model)
+    assert "forward" not in vars(model) and model.forward.__func__ is LlamaForCausalLM.forward
+    assert torch.equal(wrapped, generate(model, FlexiCache(model.config, token_budget=32), ids))
+    assert torch.equal(dynamic, generate(model, DynamicCache(config=model.config), ids))
+
+
+def test_enable_is_idempotent_and_cuda_graphs_false_installs_nothing() -> None:
+    model = tiny_model()
+    FlexiCache.from_model(model, cuda_graphs=False)
+    assert "forward" not in vars(model)
+    wrapper = enable_step_graphs(model)
+    assert enable_step_graphs(model) is wrapper and wrapper.eager_forward.__func__ is LlamaForCausalLM.forward
