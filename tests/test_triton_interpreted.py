@@ -331,14 +331,13 @@ def check_step() -> None:
             if host_state(self.flexi) != before:
                 problems.append(("host state changed", before, host_state(self.flexi)))
 
-    def record(self, store, key, flexi, kwargs, tensors):
+    def record(store, key, flexi, tensors, forward):
         inputs = {name: tensor.clone() for name, tensor in tensors.items()}
-        static_kwargs = {**kwargs, **inputs}
         before = host_state(flexi)
         with ExternalReads() as mode, flexi.recording():
-            output = self.eager_forward(**static_kwargs)
+            output = forward(inputs)
         assert host_state(flexi) == before
-        graph = EmulatedGraph(lambda: self.eager_forward(**static_kwargs), flexi, mode.reads)
+        graph = EmulatedGraph(lambda: forward(inputs), flexi, mode.reads)
         store.steps[key] = graph.recorded = step_graph.RecordedStep(graph, inputs, output)
         store.captures += 1
         return output
@@ -347,7 +346,7 @@ def check_step() -> None:
     profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
     ids, mask = padded_batch()
     original = (cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run,
-                cache.FlexiCache.graphed_step_ready, step_graph.StepGraphs._record)
+                cache.FlexiCache.graphed_step_ready, step_graph._record)
 
     def lazy_initialization(self, keys, values):
         original[1](self, keys, values)
@@ -367,10 +366,10 @@ def check_step() -> None:
             cache.FlexiLayer.lazy_initialization = lazy_initialization
             decode_graph.DecodeGraph.run = lambda self, launch, storage_key: (launch(), self.output)[1]
             cache.FlexiCache.graphed_step_ready = graphed_step_ready
-            step_graph.StepGraphs._record = record
+            step_graph._record = record
         else:
             (cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run,
-             cache.FlexiCache.graphed_step_ready, step_graph.StepGraphs._record) = original
+             cache.FlexiCache.graphed_step_ready, step_graph._record) = original
         flexi = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4)
         with torch.inference_mode():
             first = model.generate(ids, attention_mask=mask, past_key_values=flexi, max_new_tokens=40, do_sample=False)

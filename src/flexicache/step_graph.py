@@ -73,50 +73,65 @@ class StepGraphs:
         if (args or cache is None or input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1
                 or kwargs.get("inputs_embeds") is not None or not cache.graphed_step_ready()):
             return self.eager_forward(*args, **kwargs)
-        kwargs = {name: value for name, value in kwargs.items() if name != "attention_mask"}
-        tensors = {name: value for name, value in kwargs.items() if torch.is_tensor(value)}
-        others = tuple(sorted((name, value) for name, value in kwargs.items()
+        recorded_kwargs = {name: value for name, value in kwargs.items() if name != "attention_mask"}
+        tensors = {name: value for name, value in recorded_kwargs.items() if torch.is_tensor(value)}
+        others = tuple(sorted((name, value) for name, value in recorded_kwargs.items()
                               if not torch.is_tensor(value) and value is not cache))
         try:
             hash(others)
         except TypeError:  # an argument we cannot key a graph on: run this step eagerly
             return self.eager_forward(**kwargs)
-        rerank, storage = zip(*cache.begin_graphed_step())
-        store = cache.step_graphs
-        if storage != store.storage:  # something reallocated: the recorded graphs read freed memory
-            store.clear()
-            store.storage = storage
         layout = tuple((name, tensor.shape, tensor.dtype, tensor.device) for name, tensor in sorted(tensors.items()))
-        key = (id(self), layout, others, rerank)
-        recorded = store.steps.get(key)
-        if recorded is None:
-            return self._record(store, key, cache, kwargs, tensors)
-        for name, tensor in tensors.items():
-            recorded.inputs[name].copy_(tensor)
-        recorded.graph.replay()
-        store.replays += 1
-        return _detached(recorded.output)
+        return run_graphed_step(cache, (id(self), layout, others), tensors,
+                                lambda static: self.eager_forward(**{**recorded_kwargs, **static}))
 
-    def _record(self, store: StepGraphStore, key: tuple, cache: FlexiCache, kwargs: dict[str, Any],
-                tensors: dict[str, torch.Tensor]) -> Any:
-        """Run the prepared step once eagerly on the capture stream (the step's work, whose output is returned;
-        it also warms that stream up, e.g. cuBLAS), then capture the same forward for the later steps."""
-        inputs = {name: tensor.clone() for name, tensor in tensors.items()}
-        static_kwargs = {**kwargs, **inputs}
-        device = next(iter(inputs.values())).device
-        if store.pool is None:
-            store.pool = torch.cuda.graph_pool_handle()
-        current, stream = torch.cuda.current_stream(device), capture_stream(device)
-        outputs: list[Any] = []
-        with cache.recording():
-            stream.wait_stream(current)
-            with torch.cuda.stream(stream):
-                output = self.eager_forward(**static_kwargs)
-            current.wait_stream(stream)
-            graph = capture(lambda: outputs.append(self.eager_forward(**static_kwargs)), device, pool=store.pool)
-        store.steps[key] = RecordedStep(graph, inputs, outputs[0])
-        store.captures += 1
-        return output
+
+def run_graphed_step(cache: FlexiCache, key: tuple, tensors: dict[str, torch.Tensor],
+                     forward: Callable[[dict[str, torch.Tensor]], Any]) -> Any:
+    """One decode step of ``cache`` from a CUDA graph (call only when :meth:`FlexiCache.graphed_step_ready`).
+
+    Does the step's host bookkeeping, then replays the graph recorded for ``key`` (what the caller's work depends
+    on, e.g. input shapes) and the step's rerank phase, after copying ``tensors`` (the step's inputs) into its
+    static inputs; or, for a new key, runs ``forward(static inputs)`` once and records it.
+
+    Returns:
+        ``forward``'s output, its tensors copied (the next replay overwrites the recorded ones).
+    """
+    rerank, storage = zip(*cache.begin_graphed_step())
+    store = cache.step_graphs
+    if storage != store.storage:  # something reallocated: the recorded graphs read freed memory
+        store.clear()
+        store.storage = storage
+    key = (key, rerank)
+    recorded = store.steps.get(key)
+    if recorded is None:
+        return _record(store, key, cache, tensors, forward)
+    for name, tensor in tensors.items():
+        recorded.inputs[name].copy_(tensor)
+    recorded.graph.replay()
+    store.replays += 1
+    return _detached(recorded.output)
+
+
+def _record(store: StepGraphStore, key: tuple, cache: FlexiCache, tensors: dict[str, torch.Tensor],
+            forward: Callable[[dict[str, torch.Tensor]], Any]) -> Any:
+    """Run the prepared step once eagerly on the capture stream (the step's work, whose output is returned; it also
+    warms that stream up, e.g. cuBLAS), then capture the same forward for the later steps."""
+    inputs = {name: tensor.clone() for name, tensor in tensors.items()}
+    device = next(iter(inputs.values())).device
+    if store.pool is None:
+        store.pool = torch.cuda.graph_pool_handle()
+    current, stream = torch.cuda.current_stream(device), capture_stream(device)
+    outputs: list[Any] = []
+    with cache.recording():
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            output = forward(inputs)
+        current.wait_stream(stream)
+        graph = capture(lambda: outputs.append(forward(inputs)), device, pool=store.pool)
+    store.steps[key] = RecordedStep(graph, inputs, outputs[0])
+    store.captures += 1
+    return output
 
 
 def _flexicache_of(kwargs: dict[str, Any]) -> FlexiCache | None:
@@ -126,9 +141,15 @@ def _flexicache_of(kwargs: dict[str, Any]) -> FlexiCache | None:
 
 
 def _detached(output: Any) -> Any:
-    """A copy of a recorded output whose tensors the next replay does not overwrite."""
-    fields = {name: value.clone() if torch.is_tensor(value) else value for name, value in output.items()}
-    return type(output)(**fields)
+    """A copy of a recorded output (a model output, tensor, sequence or ``None``) whose tensors the next replay
+    does not overwrite."""
+    if torch.is_tensor(output):
+        return output.clone()
+    if isinstance(output, (list, tuple)):
+        return type(output)(_detached(item) for item in output)
+    if hasattr(output, "items"):
+        return type(output)(**{name: _detached(value) for name, value in output.items()})
+    return output
 
 
 def enable_step_graphs(model: torch.nn.Module) -> StepGraphs:

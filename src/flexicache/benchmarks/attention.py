@@ -5,7 +5,10 @@ Systems, all on the same random keys/values of a model shape (default: Llama-3.1
 dim 128, bf16):
 - ``dynamic_sdpa``: transformers ``DynamicLayer`` append + torch sdpa over the whole context;
 - ``dense_flashinfer``: FlashInfer paged decode over every page (one plan per step);
-- ``flexicache``: FlexiCache decode (append, scoring, reranks, promotions, sparse FlashInfer decode);
+- ``flexicache``: FlexiCache decode (append, scoring, reranks, promotions, sparse FlashInfer decode), each layer
+  called from Python (each layer's work a replayed CUDA graph);
+- ``flexicache_step_graph``: the same, the step's host bookkeeping then one replayed graph of all layers (what
+  ``model.generate`` runs with ``from_model``'s whole-step graphs);
 - ``quest_like``: FlexiCache with every head unstable (everything on the device, rerank every step).
 
 Usage: ``python -m flexicache.benchmarks.attention --batch 8 --context 32768 --budget 1024 --out result.json``.
@@ -28,6 +31,7 @@ from transformers.cache_utils import DynamicLayer
 
 from flexicache import FlexiCache, HeadProfile, attention
 from flexicache.benchmarks.measure import synchronize
+from flexicache.step_graph import run_graphed_step
 
 
 @dataclass
@@ -100,10 +104,12 @@ def warm_then_time(step: Callable[[int], None], steps: int, warmup: int, device:
 
 def bench_flexicache(shape: Shape, prompt: list[tuple[torch.Tensor, torch.Tensor]], new_tokens, queries,
                      profile: HeadProfile, budget: int, steps: int, warmup: int, rerank_interval: int = 16,
-                     backend: str = "auto") -> dict:
+                     backend: str = "auto", step_graph: bool = False) -> dict:
     """FlexiCache decode steps of the attention layers alone (``queries[i % len(queries)]`` at step ``i``).
 
-    ``window`` holds the rerank and transfer counters of the timed steps only.
+    ``step_graph``: each step is the cache's host bookkeeping plus one replayed CUDA graph of all layers'
+    attention (:func:`flexicache.step_graph.run_graphed_step`, as ``model.generate`` runs it), instead of the
+    layers' calls from Python. ``window`` holds the rerank and transfer counters of the timed steps only.
     """
     cache = FlexiCache(shape.config(), profile=profile, token_budget=budget, rerank_interval=rerank_interval,
                        backend=backend)
@@ -117,12 +123,19 @@ def bench_flexicache(shape: Shape, prompt: list[tuple[torch.Tensor, torch.Tensor
     synchronize(device)
     memory = cache.stats()
 
+    def layers(inputs: dict[str, torch.Tensor]) -> None:
+        for module in modules:
+            out_keys, out_values = cache.layers[module.layer_idx].update(inputs["keys"], inputs["values"])
+            attention.flexicache_attention_forward(module, inputs["query"], out_keys, out_values, None,
+                                                   scaling=module.scaling)
+
     def step(index: int) -> None:
         keys, values = new_tokens[index % len(new_tokens)]
-        query = queries[index % len(queries)]
-        for module in modules:
-            out_keys, out_values = cache.layers[module.layer_idx].update(keys, values)
-            attention.flexicache_attention_forward(module, query, out_keys, out_values, None, scaling=module.scaling)
+        inputs = {"keys": keys, "values": values, "query": queries[index % len(queries)]}
+        if step_graph and cache.graphed_step_ready():
+            run_graphed_step(cache, ("attention layers",), inputs, layers)
+        else:
+            layers(inputs)
 
     for index in range(warmup):
         step(index)
@@ -135,6 +148,7 @@ def bench_flexicache(shape: Shape, prompt: list[tuple[torch.Tensor, torch.Tensor
                   reranks_stable=stats["reranks_stable"], reranks_unstable=stats["reranks_unstable"],
                   backend=stats["backend"], pages_per_head=cache.settings.pages_per_head,
                   rerank_interval=rerank_interval, unstable_heads=len(profile.unstable_heads),
+                  step_graph_replays=stats["step_graph_replays"],
                   window={name: stats[name] - before[name] for name in
                           ("reranks_stable", "reranks_unstable", "promoted_pages", "bytes_h2d", "decode_steps")})
     return result
@@ -190,6 +204,9 @@ def bench_dense_flashinfer(shape: Shape, prompt, queries, page_size: int, steps:
     return result
 
 
+ATTENTION_SYSTEMS = ("dense_flashinfer", "flexicache", "flexicache_step_graph", "quest_like", "dynamic_sdpa")
+
+
 def run_attention_benchmark(batch: int, context: int, budget: int, shape: Shape, unstable_fraction: float,
                             steps: int, warmup: int, seed: int = 0) -> dict:
     device = torch.device("cuda")
@@ -212,13 +229,16 @@ def run_attention_benchmark(batch: int, context: int, budget: int, shape: Shape,
                                              random_profile(shape, unstable_fraction, seed), budget, steps, warmup)
     all_unstable = HeadProfile(shape.num_layers, shape.num_kv_heads, shape.head_dim,
                                [(l, h) for l in range(shape.num_layers) for h in range(shape.num_kv_heads)])
+    results["flexicache_step_graph"] = bench_flexicache(shape, prompt, new_tokens, queries,
+                                                        random_profile(shape, unstable_fraction, seed), budget, steps,
+                                                        warmup, step_graph=True)
     results["quest_like"] = bench_flexicache(shape, prompt, new_tokens, queries, all_unstable, budget, steps, warmup)
     results["dynamic_sdpa"] = bench_dynamic_sdpa(shape, prompt, new_tokens, queries, steps, warmup)
-    for name in ("dense_flashinfer", "flexicache", "quest_like", "dynamic_sdpa"):
+    for name in ATTENTION_SYSTEMS:
         results[name]["layer_ms_p50"] = results[name]["step_ms_p50"] / shape.num_layers
     dense = results["dense_flashinfer"]["step_ms_p50"]
     results["speedup_vs_dense_flashinfer"] = {name: dense / results[name]["step_ms_p50"]
-                                              for name in ("flexicache", "quest_like", "dynamic_sdpa")}
+                                              for name in ATTENTION_SYSTEMS[1:]}
     results["device_kv_fraction_of_dynamic"] = (results["flexicache"]["device_kv_bytes"]
                                                 / results["dynamic_sdpa"]["device_kv_bytes"])
     return results
@@ -246,10 +266,10 @@ def main() -> None:
                                              args.warmup)
             runs.append(result)
             print(f"batch {batch} context {context}: per layer ms p50 " + ", ".join(
-                f"{name} {result[name]['layer_ms_p50']:.3f}" for name in
-                ("dense_flashinfer", "flexicache", "quest_like", "dynamic_sdpa"))
+                f"{name} {result[name]['layer_ms_p50']:.3f}" for name in ATTENTION_SYSTEMS)
                   + f" | flexicache host issue {result['flexicache']['host_issue_ms_p50'] / shape.num_layers:.3f}"
-                  f" | speedup {result['speedup_vs_dense_flashinfer']['flexicache']:.2f}x"
+                  f" | speedup {result['speedup_vs_dense_flashinfer']['flexicache']:.2f}x, step graph "
+                  f"{result['speedup_vs_dense_flashinfer']['flexicache_step_graph']:.2f}x"
                   f" | device KV {result['device_kv_fraction_of_dynamic']:.1%} of DynamicCache", flush=True)
     if args.out:
         with open(args.out, "w") as handle:
