@@ -63,10 +63,18 @@ def test_copy_pages_kernel_compiles(page: int) -> None:
 
 
 @pytest.mark.parametrize("slots_per_row", [63, 1])
-def test_retire_tails_kernel_compiles(slots_per_row: int) -> None:
+@pytest.mark.parametrize("full_only", [False, True])
+def test_retire_tails_kernel_compiles(slots_per_row: int, full_only: bool) -> None:
     compile_for_hopper(triton_transfer._retire_tails_kernel,
                        dict(K=slots_per_row + 1, PAGE_SIZE=16, PAGE=2048, BLOCK=2048,
-                            BLOCK_K=triton.next_power_of_2(slots_per_row)), {"scores_ptr": "*fp32"})
+                            BLOCK_K=triton.next_power_of_2(slots_per_row), FULL_ONLY=full_only),
+                       {"scores_ptr": "*fp32"})
+
+
+@pytest.mark.parametrize("num_heads", [1, 6])
+def test_open_pages_kernel_compiles(num_heads: int) -> None:
+    compile_for_hopper(triton_transfer._open_pages_kernel,
+                       dict(NUM_HEADS=num_heads, BLOCK_B=32, BLOCK_H=triton.next_power_of_2(num_heads)))
 
 
 @pytest.mark.parametrize("slots, block_s", [(63, 2048), (3, 16384)])

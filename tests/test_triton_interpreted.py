@@ -345,6 +345,7 @@ def check_step() -> None:
     model = tiny_model()
     profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
     ids, mask = padded_batch()
+    ids, mask = torch.cat([ids, ids[:1]]), torch.cat([mask, mask[:1]])  # two requests open pages at the same steps
     original = (cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run,
                 cache.FlexiCache.graphed_step_ready, step_graph._record)
 
@@ -374,9 +375,9 @@ def check_step() -> None:
         with torch.inference_mode():
             first = model.generate(ids, attention_mask=mask, past_key_values=flexi, max_new_tokens=40, do_sample=False)
             flexi.crop(-9)
-            more = torch.cat([first[:, :-9], torch.randint(0, 512, (3, 7), generator=torch.Generator().manual_seed(1))],
+            more = torch.cat([first[:, :-9], torch.randint(0, 512, (4, 7), generator=torch.Generator().manual_seed(1))],
                              dim=1)
-            more_mask = torch.cat([mask, torch.ones(3, more.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+            more_mask = torch.cat([mask, torch.ones(4, more.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
             second = model.generate(more, attention_mask=more_mask, past_key_values=flexi, max_new_tokens=30,
                                     do_sample=False)
         tokens[mode], stats[mode] = (first, second), flexi.stats()

@@ -89,6 +89,7 @@ class FlexiLayer(CacheLayerMixin):
         self.write_slots = torch.full((batch_size, self.num_kv_heads), -1, dtype=torch.long, device=self.device)
         if self.unstable_heads:
             self.resident = ResidentPages(self.pool, batch_size, len(self.unstable_heads), page_size)
+            self.open_start = torch.zeros(1, dtype=torch.long, device=self.device)  # whole-step graphs' page opening
         if self.stable_heads:
             self.offloaded = OffloadedPages(self.pool, batch_size, len(self.stable_heads),
                                             self.settings.pages_per_head, page_size)
@@ -178,15 +179,27 @@ class FlexiLayer(CacheLayerMixin):
         self.num_chunks += 1
         self.committed_length += num_tokens
 
-    def _prepare_token_slots(self, plan: AppendPlan) -> None:
-        """Before a single-token append: retire full stable tails, open resident pages, grow the metadata."""
+    def _prepare_token_slots(self, plan: AppendPlan, in_graph: bool = False) -> None:
+        """Before a single-token append: retire full stable tails, open resident pages, grow the metadata.
+
+        ``in_graph``: only the host side (room in the host tier, pool slots, transfer counts); the device side
+        runs in :meth:`_record_decode`, every step, deciding per request on the device.
+        """
         if self.offloaded is not None:
-            full = self._per_step(plan, "full_tails", lambda: _requests_with_full_tail(plan, self.device))
-            if full is not None:
-                self.offloaded.retire_full_tails(full, plan)
+            if in_graph:
+                pages, full = self._per_step(plan, "retirement", lambda: (
+                    int(plan.before_host.max()) // plan.page_size, int(_full_tails(plan).sum())))
+                self.offloaded.prepare_retirement(pages, full)
+            else:
+                full = self._per_step(plan, "full_tails", lambda: _requests_with_full_tail(plan, self.device))
+                if full is not None:
+                    self.offloaded.retire_full_tails(full, plan)
         if self.resident is not None and plan.num_new_pages:
-            self.resident.open_pages(plan)
-            self.write_slots[:, self.unstable_index] = self.resident.tail_slots(plan.after)
+            if in_graph:
+                self.open_start.fill_(self.resident.reserve_pages(plan))
+            else:
+                self.resident.open_pages(plan)
+                self.write_slots[:, self.unstable_index] = self.resident.tail_slots(plan.after)
         self.meta.reserve(self._per_step(plan, "max_pages", lambda: plan.max_pages_after))
 
     def _write_token(self, keys: torch.Tensor, values: torch.Tensor, plan: AppendPlan) -> None:
@@ -231,12 +244,13 @@ class FlexiLayer(CacheLayerMixin):
         scores = quest_page_scores(query, kmin, kmax, self.settings.group_reduce)
         self.offloaded.rerank(scores, per_row(full_pages, len(self.stable_heads)))
 
-    def _start_decode_step(self, plan: AppendPlan) -> int:
-        """Host side of a decode step before its token is written: retire full stable tails, open pages, count.
+    def _start_decode_step(self, plan: AppendPlan, in_graph: bool = False) -> int:
+        """Host side of a decode step before its token is written: retire full stable tails, open pages, count
+        (``in_graph``: see :meth:`_prepare_token_slots`).
 
         Returns the score width of this step's stable rerank (``0``: none due, or no full page yet).
         """
-        self._prepare_token_slots(plan)
+        self._prepare_token_slots(plan, in_graph)
         self.decode_steps += 1
         if self.resident is not None:
             self.unstable_counters.reranks += self.batch_size * len(self.unstable_heads)
@@ -303,7 +317,7 @@ class FlexiLayer(CacheLayerMixin):
         """
         plan = self.sequence.plan_chunk(self.num_chunks, None, self.batch_size, 1, self.device)
         self.logical_length += 1
-        self._recorded_rerank = self._start_decode_step(plan) > 0
+        self._recorded_rerank = self._start_decode_step(plan, in_graph=True) > 0
         self._recorded_launch, storage_key = self._graph_step(plan)
         self._advance(plan, 1)
         if self.offloaded is not None:  # what the rerank reads and writes besides the launch's storage
@@ -315,10 +329,18 @@ class FlexiLayer(CacheLayerMixin):
     def _record_decode(self, chunk: attention.StagedChunk, query: torch.Tensor, rows_query: torch.Tensor
                        ) -> torch.Tensor:
         """The device work of a decode step prepared by :meth:`begin_graphed_step`, host-state free: every
-        per-step value comes from static buffers, so a graph of it replays correctly at later steps."""
+        per-step value comes from static buffers, so a graph of it replays correctly at later steps. Tail
+        retirement and page opening run at every step and act where this step's token starts a page."""
+        from flexicache.backends.triton_transfer import open_pages
+
+        step = self.step_inputs[self.device]
+        if self.offloaded is not None:
+            self.offloaded.retire_full_tails_on_device(step.before)
+        if self.resident is not None:
+            open_pages(self.resident.table, self.write_slots, self.unstable_index, step.page, step.offset,
+                       self.open_start)
         if self._recorded_rerank:  # scores the metadata's whole capacity: a width that does not change per step
-            num_tokens = self.step_inputs[self.device].num_tokens
-            self._rerank_stable(self._group_queries(query[:, :, 0], self.stable_index), num_tokens,
+            self._rerank_stable(self._group_queries(query[:, :, 0], self.stable_index), step.num_tokens,
                                 self.meta.kmin.shape[2])
         self.graph.load(chunk.keys[:, :, 0], chunk.values[:, :, 0], rows_query)
         self._recorded_launch()
@@ -504,10 +526,14 @@ class FlexiLayer(CacheLayerMixin):
         return stats
 
 
+def _full_tails(plan: AppendPlan) -> torch.Tensor:
+    """``[B]`` bool (CPU): requests whose tail page filled up before this single-token step."""
+    return (plan.before_host > 0) & (plan.before_host % plan.page_size == 0)
+
+
 def _requests_with_full_tail(plan: AppendPlan, device: torch.device) -> torch.Tensor | None:
     """``[n]`` requests whose tail page filled up before this single-token step (``None`` if none)."""
-    page_size = plan.page_size
-    full = (plan.before_host > 0) & (plan.before_host % page_size == 0)
+    full = _full_tails(plan)
     return host_to_device(full.nonzero().view(-1), device) if bool(full.any()) else None
 
 

@@ -18,18 +18,18 @@ from flexicache.sequence import AppendPlan
 
 
 class StepInputs:
-    """Per-step values of one device in storage that never moves: ``[3, B]`` int64 rows ``num_tokens`` (real
-    tokens after the step's token), ``page`` and ``offset`` (where the step's token goes)."""
+    """Per-step values of one device in storage that never moves: ``[4, B]`` int64 rows ``num_tokens`` (real
+    tokens after the step's token), ``page`` and ``offset`` (where the step's token goes) and ``before`` (real
+    tokens before it)."""
 
     def __init__(self, batch_size: int, device: torch.device) -> None:
-        self.values = torch.zeros(3, batch_size, dtype=torch.long, device=device)
+        self.values = torch.zeros(4, batch_size, dtype=torch.long, device=device)
         self._loaded: AppendPlan | None = None
 
     def load(self, plan: AppendPlan) -> StepInputs:
         """Copy a single-token plan's values in (once per step: later calls with the same plan do nothing)."""
         if plan is not self._loaded:
-            for row, tensor in enumerate((plan.after, plan.page, plan.offset)):
-                self.values[row].copy_(tensor, non_blocking=True)
+            torch._foreach_copy_(list(self.values.unbind(0)), [plan.after, plan.page, plan.offset, plan.before])
             self._loaded = plan
         return self
 
@@ -44,6 +44,10 @@ class StepInputs:
     @property
     def offset(self) -> torch.Tensor:
         return self.values[2]
+
+    @property
+    def before(self) -> torch.Tensor:
+        return self.values[3]
 
 
 class DecodeGraph:

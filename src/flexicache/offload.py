@@ -99,6 +99,7 @@ class OffloadedPages:
         device, dtype, head_dim = pool.k.device, pool.k.dtype, pool.k.shape[-1]
         self.selected = torch.full((rows, pages_per_head - 1), -1, dtype=torch.long, device=device)
         self.selected_scores = torch.full((rows, pages_per_head - 1), float("-inf"), device=device)
+        self.all_requests = torch.arange(batch_size, device=device)
         self.host = HostTier(batch_size, num_heads, page_size, head_dim, dtype, pin_memory=device.type == "cuda")
         self.counters = TransferCounters()
         self.steps_since_rerank = 0
@@ -167,6 +168,21 @@ class OffloadedPages:
         held = self.selected[rows, victim]
         self.selected[rows, victim] = torch.where(evictable, per_row(page, self.num_heads), held)
         self.selected_scores[rows, victim] = torch.where(evictable, float("inf"), self.selected_scores[rows, victim])
+
+    def prepare_retirement(self, full_pages: int, num_full: int) -> None:
+        """Host side of :meth:`retire_full_tails_on_device` for a step where ``num_full`` requests retire and the
+        longest has ``full_pages`` full pages: room in the host tier, the transfer count."""
+        self._reserve_host(full_pages)
+        self.counters.bytes_d2h += self._page_bytes(num_full * self.num_heads)
+
+    def retire_full_tails_on_device(self, before: torch.Tensor) -> None:
+        """:meth:`retire_full_tails` for every request whose tail page is full, decided on the device from
+        ``before [B]`` (tokens before this step): one launch at every step (zero-copy path only)."""
+        from flexicache.backends.triton_transfer import retire_tails
+
+        retire_tails(self._device_pages(), self._host_pages(), self.selected, self.selected_scores,
+                     self.all_requests, before, self.base, self.num_heads, self.host.k.shape[2], self.page_size,
+                     full_only=True)
 
     def tail_slots(self) -> torch.Tensor:
         """``[B, h]`` tail slot of every row."""

@@ -117,12 +117,17 @@ class ResidentPages:
         self.page_size = page_size
         self.table = torch.full((batch_size, num_heads, 0), -1, dtype=torch.long, device=pool.k.device)
 
+    def reserve_pages(self, plan: AppendPlan) -> int:
+        """Room in the page table and ``num_new_pages x h`` new pool slots for the pages the chunk starts; returns
+        the first slot (the ``r``-th new page gets slots ``first + r * h + j``, head ``j``)."""
+        self.table = grow_dim(self.table, 2, plan.max_pages_after, -1)
+        return self.pool.allocate(plan.num_new_pages * self.num_heads)
+
     def open_pages(self, plan: AppendPlan) -> None:
         """Give every page the chunk starts a pool slot per head."""
         num_new = plan.num_new_pages * self.num_heads
         if num_new:
-            self.table = grow_dim(self.table, 2, plan.max_pages_after, -1)
-            start = self.pool.allocate(num_new)
+            start = self.reserve_pages(plan)
             slots = torch.arange(start, start + num_new, device=self.table.device)
             self.table[plan.new_page_batch, :, plan.new_page_index] = slots.view(-1, self.num_heads)
 

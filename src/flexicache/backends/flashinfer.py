@@ -33,12 +33,15 @@ class PlannedDecode:
 
     ``indices``: int32 ``[R * K + 1]`` pool slot of every listed page, row ``r`` at
     ``indices[indptr[r]:indptr[r+1]]`` (the last entry is a never-read dump for unlisted entries);
-    ``indptr``: int32 ``[R + 1]`` on the device (written by the plan).
+    ``indptr``: int32 ``[R + 1]`` on the device (written by the plan); ``last_page_len``: int32 ``[R]`` on the
+    device, tokens in each row's last listed page.
     """
 
     wrapper: object
     indices: torch.Tensor
     indptr: torch.Tensor
+    last_page_len: torch.Tensor
+    planned_for: tuple | None = None  # (settings, row indptr on the CPU) of the wrapper's current plan
 
 
 class FlashInferBackend:
@@ -80,24 +83,37 @@ class FlashInferBackend:
                 paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
                 paged_kv_last_page_len_buffer=last_page_len, backend="fa2",
             )
-            self._planned_steps[key] = PlannedDecode(wrapper, indices, indptr)
+            self._planned_steps[key] = PlannedDecode(wrapper, indices, indptr, last_page_len)
         return self._planned_steps[key]
 
     def prepare(self, layout: DecodeLayout, group: int, head_dim: int, page_size: int, pages_per_head: int,
                 dtype: torch.dtype, scale: float) -> PlannedDecode:
-        """Plan the step once (every layer of the step passes the same ``layout``) and return its buffers."""
+        """Plan the step once (every layer of the step passes the same ``layout``) and return its buffers.
+
+        The CUDA-core decode kernel's plan depends on the rows' page counts, not on their last pages' lengths (read
+        from the device buffer at run time): a step whose page counts equal the plan's (e.g. every row at the
+        budget) only refreshes that buffer, skipping ``plan()`` (0.3-0.9 ms of host time). The tensor-core kernel
+        plans with the token counts, so it re-plans at every step.
+        """
         tensor_cores = self._tensor_cores(group)
-        key = (layout, group, head_dim, page_size, pages_per_head, dtype, scale, tensor_cores)
-        if self._plan_key != key:
-            rows = layout.row_last_page_len_host.numel()
-            planned = self._planned_step(rows, pages_per_head, tensor_cores)
+        settings = (group, head_dim, page_size, pages_per_head, dtype, scale, tensor_cores)
+        key = (layout, *settings)
+        if self._plan_key == key:
+            return self._current
+        planned = self._planned_step(layout.row_last_page_len_host.numel(), pages_per_head, tensor_cores)
+        same_pages = (planned.planned_for is not None and planned.planned_for[0] == settings
+                      and torch.equal(planned.planned_for[1], layout.row_indptr_host))
+        if same_pages and not tensor_cores:
+            planned.last_page_len.copy_(layout.row_last_page_len_host.pin_memory(), non_blocking=True)
+        else:
             total = int(layout.row_indptr_host[-1])
             planned.wrapper.plan(
                 layout.row_indptr_host, planned.indices[:total], layout.row_last_page_len_host,
                 group, 1, head_dim, page_size, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
             )
-            self._plan_key, self._current = key, planned
-        return self._current
+            planned.planned_for = (settings, layout.row_indptr_host)
+        self._plan_key, self._current = key, planned
+        return planned
 
     @staticmethod
     def run_prepared(planned: PlannedDecode, query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,

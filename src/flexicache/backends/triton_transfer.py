@@ -49,11 +49,15 @@ def copy_pages(source: tuple[torch.Tensor, torch.Tensor], target: tuple[torch.Te
 def _retire_tails_kernel(pool_k_ptr, pool_v_ptr, host_k_ptr, host_v_ptr, selected_ptr, scores_ptr, batch_ptr,
                          before_ptr, base, num_heads, host_pages_per_row,
                          K: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, FULL_ONLY: tl.constexpr):
     item = tl.program_id(0)
     request = tl.load(batch_ptr + item // num_heads)
     row = request * num_heads + item % num_heads
-    page = (tl.load(before_ptr + request) - 1) // PAGE_SIZE  # the full tail page
+    before = tl.load(before_ptr + request)
+    if FULL_ONLY:  # every request was launched: only those whose tail page is full retire it
+        if (before == 0) | (before % PAGE_SIZE != 0):
+            return
+    page = (before - 1) // PAGE_SIZE  # the full tail page
     offsets = tl.arange(0, BLOCK)
     inside = offsets < PAGE
     tail = (base + row * K + K - 1) * PAGE
@@ -81,8 +85,11 @@ def _retire_tails_kernel(pool_k_ptr, pool_v_ptr, host_k_ptr, host_v_ptr, selecte
 
 def retire_tails(pool: tuple[torch.Tensor, torch.Tensor], host: tuple[torch.Tensor, torch.Tensor],
                  selected: torch.Tensor, selected_scores: torch.Tensor, batch: torch.Tensor, before: torch.Tensor,
-                 base: int, num_heads: int, host_pages_per_row: int, page_size: int) -> None:
+                 base: int, num_heads: int, host_pages_per_row: int, page_size: int, full_only: bool = False) -> None:
     """Retire the full tail page of every stable row of requests ``batch``, in one launch (one program per row).
+
+    ``full_only``: ``batch`` may list any requests; those whose tail page is not full (``before`` not a positive
+    multiple of the page size) are skipped on the device (a launch whose work a CUDA graph can replay every step).
 
     Each row's tail slot is copied to its host page, and into the selection slot the page takes over: an empty
     slot, else the lowest-scored page other than the sink (first on ties); that slot then lists the page with
@@ -101,7 +108,47 @@ def retire_tails(pool: tuple[torch.Tensor, torch.Tensor], host: tuple[torch.Tens
     _retire_tails_kernel[(batch.numel() * num_heads,)](
         pool[0], pool[1], host[0], host[1], selected, selected_scores, batch, before, base, num_heads,
         host_pages_per_row, K=slots_per_row + 1, PAGE_SIZE=page_size, PAGE=page, BLOCK=triton.next_power_of_2(page),
-        BLOCK_K=triton.next_power_of_2(slots_per_row),
+        BLOCK_K=triton.next_power_of_2(slots_per_row), FULL_ONLY=full_only,
+    )
+
+
+@triton.jit
+def _open_pages_kernel(table_ptr, write_slots_ptr, heads_ptr, page_ptr, offset_ptr, start_ptr, batch_size,
+                       table_width, num_kv_heads, NUM_HEADS: tl.constexpr, BLOCK_B: tl.constexpr,
+                       BLOCK_H: tl.constexpr):
+    request = tl.program_id(0)
+    if tl.load(offset_ptr + request) == 0:  # this step's token starts a new page of this request
+        others = tl.arange(0, BLOCK_B)
+        opening = (others < request) & (tl.load(offset_ptr + others, mask=others < batch_size, other=1) == 0)
+        rank = tl.sum(opening.to(tl.int64), axis=0)  # requests before this one that open a page too
+        heads = tl.arange(0, BLOCK_H)
+        listed = heads < NUM_HEADS
+        slots = tl.load(start_ptr) + rank * NUM_HEADS + heads
+        page = tl.load(page_ptr + request)
+        tl.store(table_ptr + (request * NUM_HEADS + heads) * table_width + page, slots, mask=listed)
+        kv_heads = tl.load(heads_ptr + heads, mask=listed, other=0)
+        tl.store(write_slots_ptr + request * num_kv_heads + kv_heads, slots, mask=listed)
+
+
+def open_pages(table: torch.Tensor, write_slots: torch.Tensor, heads: torch.Tensor, page: torch.Tensor,
+               offset: torch.Tensor, start: torch.Tensor) -> None:
+    """Decode step: give each request whose token starts a new page (``offset == 0``) a pool slot per head, in one
+    launch with no host involvement (the host reserved the slots: ``start`` is on the device).
+
+    The ``r``-th such request (in batch order) gets slots ``start + r * h + j`` for its heads ``j``: written into
+    its page table entry and as the heads' write slots.
+
+    Args:
+        table: ``[B, h, P]`` int64 page table of the ``h`` resident heads (``P`` > every ``page``).
+        write_slots: ``[B, H]`` int64 slot each (request, KV head) writes its next token to.
+        heads: ``[h]`` int64 KV-head index of each resident head.
+        page, offset: ``[B]`` int64 page and offset of this step's token; start: ``[1]`` int64 first reserved slot.
+    """
+    batch_size, num_heads, width = table.shape
+    _open_pages_kernel[(batch_size,)](
+        table, write_slots, heads, page, offset, start, batch_size, width, write_slots.shape[1],
+        NUM_HEADS=num_heads, BLOCK_B=triton.next_power_of_2(batch_size),
+        BLOCK_H=triton.next_power_of_2(num_heads),
     )
 
 

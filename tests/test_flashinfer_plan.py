@@ -1,0 +1,59 @@
+"""FlashInferBackend.prepare re-plans only when the plan can change, with a stand-in for FlashInfer's wrapper (runs
+without FlashInfer and without a GPU; the GPU tests check the real kernel against the reference backend over many
+steps that skip the plan)."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flexicache.backends import build_decode_layout
+from flexicache.backends.flashinfer import FlashInferBackend
+
+
+class RecordingWrapper:
+    """Records ``plan`` calls; like FlashInfer's CUDA-graph mode, a plan copies ``last_page_len`` into the buffer."""
+
+    def __init__(self, workspace, kv_layout, use_cuda_graph, use_tensor_cores, paged_kv_indptr_buffer,
+                 paged_kv_indices_buffer, paged_kv_last_page_len_buffer, backend) -> None:
+        self.last_page_len = paged_kv_last_page_len_buffer
+        self.plans: list[torch.Tensor] = []
+
+    def plan(self, indptr, indices, last_page_len, *args, **kwargs) -> None:
+        self.plans.append(indptr.clone())
+        self.last_page_len.copy_(last_page_len)
+
+
+@pytest.fixture
+def backend(monkeypatch: pytest.MonkeyPatch) -> FlashInferBackend:
+    monkeypatch.setitem(sys.modules, "flashinfer", SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=RecordingWrapper))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # no pinned memory without a GPU
+    return FlashInferBackend(torch.device("cpu"))
+
+
+def prepare(backend: FlashInferBackend, num_tokens: list[int], group: int = 4, scale: float = 0.1):
+    layout = build_decode_layout(torch.tensor(num_tokens), num_kv_heads=2, pages_per_head=4, page_size=16)
+    return backend.prepare(layout, group, 64, 16, 4, torch.bfloat16, scale), layout
+
+
+def test_same_page_counts_refresh_the_last_pages_without_a_plan(backend: FlashInferBackend) -> None:
+    planned, _ = prepare(backend, [100, 70])  # 4 pages each (the budget)
+    assert len(planned.wrapper.plans) == 1
+    for tokens in ([101, 71], [112, 80], [113, 81]):  # still 4 pages each, tails of 1..16 tokens
+        again, layout = prepare(backend, tokens)
+        assert again is planned and len(planned.wrapper.plans) == 1
+        assert torch.equal(planned.last_page_len, layout.row_last_page_len_host)
+
+
+def test_new_page_counts_settings_or_tensor_cores_plan_again(backend: FlashInferBackend) -> None:
+    planned, _ = prepare(backend, [20, 70])  # 2 and 4 pages
+    prepare(backend, [33, 71])  # the first row grows to 3 pages
+    assert len(planned.wrapper.plans) == 2
+    prepare(backend, [34, 72], scale=0.2)  # other settings
+    assert len(planned.wrapper.plans) == 3
+    tensor_cores, _ = prepare(backend, [100, 70], group=7)  # no CUDA-core kernel for group 7
+    prepare(backend, [101, 71], group=7)
+    assert tensor_cores is not planned and len(tensor_cores.wrapper.plans) == 2
