@@ -313,7 +313,7 @@ class OffloadedPages:
         """Add ``count`` (a device tensor: no sync) promoted pages to the counters (in place on the zero-copy path:
         a whole-step CUDA graph replays the additions)."""
         count, counters = count.view(()), self.counters
-        if self.zero_copy:
+        if self.zero_copy and torch.is_tensor(counters.promoted_pages):
             counters.promoted_pages.add_(count)
             counters.bytes_h2d.add_(count * self._page_bytes(1))
         else:
