@@ -47,3 +47,17 @@ def test_enable_is_idempotent_and_cuda_graphs_false_installs_nothing() -> None:
     assert "forward" not in vars(model)
     wrapper = enable_step_graphs(model)
     assert enable_step_graphs(model) is wrapper and wrapper.eager_forward.__func__ is LlamaForCausalLM.forward
+
+
+def test_detached_copies_every_tensor_of_an_output() -> None:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from flexicache.step_graph import _detached
+
+    logits = torch.ones(2, 1, 4)
+    output = CausalLMOutputWithPast(logits=logits, past_key_values=None)
+    copy = _detached(output)
+    logits.zero_()  # the next replay overwrites the recorded output
+    assert type(copy) is CausalLMOutputWithPast and torch.equal(copy.logits, torch.ones(2, 1, 4))
+    nested = _detached((logits, [logits], None))
+    assert nested[0] is not logits and nested[1][0] is not logits and nested[2] is None
