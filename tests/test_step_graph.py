@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
@@ -61,3 +62,33 @@ def test_detached_copies_every_tensor_of_an_output() -> None:
     assert type(copy) is CausalLMOutputWithPast and torch.equal(copy.logits, torch.ones(2, 1, 4))
     nested = _detached((logits, [logits], None))
     assert nested[0] is not logits and nested[1][0] is not logits and nested[2] is None
+
+
+def test_a_forward_that_cannot_be_captured_falls_back_to_eager_steps(monkeypatch) -> None:
+    """A capture that fails (e.g. the forward reads a device value on the host) keeps the step's eager output,
+    warns once and switches the cache to eager steps; nothing half-recorded stays."""
+    import contextlib
+
+    from flexicache import step_graph
+
+    class Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    def failing_capture(launch, device, pool=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(step_graph, "capture_stream", lambda device: Stream())
+    monkeypatch.setattr(step_graph, "capture", failing_capture)
+    cache = FlexiCache(tiny_model().config)
+    recording = []
+    with pytest.warns(RuntimeWarning, match="cannot be captured"):
+        output = step_graph._record(cache.step_graphs, ("key",), cache,
+                                    {"input_ids": torch.ones(1, 1, dtype=torch.long)},
+                                    lambda inputs: recording.append(cache.layers[0].recording) or inputs["input_ids"] + 1)
+    assert torch.equal(output, torch.full((1, 1), 2)) and recording == [True]  # the step ran, recorded-mode
+    assert cache.step_graphs.disabled is not None and not cache.step_graphs.steps
+    assert cache.step_graphs.captures == 0 and not cache.layers[0].recording

@@ -273,25 +273,54 @@ def check_graph() -> None:
 
 
 class ExternalReads(TorchDispatchMode):
-    """Records every torch op of a forward with the storage of each tensor argument it did not produce itself
-    (weights, cache buffers, static inputs, per-step tensors made before the forward): a CUDA graph would bake
-    exactly these addresses in."""
+    """Records every torch op and Triton launch of a forward with the storage of each tensor argument it did not
+    produce itself (weights, cache buffers, static inputs, per-step tensors made before the forward) and every
+    scalar argument of the launches: a CUDA graph would bake exactly these in."""
+
+    active: list[ExternalReads] = []
 
     def __init__(self) -> None:
         super().__init__()
         self.produced: set[int] = set()
         self.reads: list = []
 
+    def __enter__(self):
+        ExternalReads.active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        ExternalReads.active.pop()
+        return super().__exit__(*exc)
+
+    def describe(self, values) -> list:
+        return [("tensor", tuple(a.shape), a.stride(), None if a.untyped_storage().data_ptr() in self.produced
+                 else a.untyped_storage().data_ptr()) if torch.is_tensor(a) else a
+                for a in torch.utils._pytree.tree_leaves(values)]
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        external = [(a.untyped_storage().data_ptr(), tuple(a.shape), a.stride())
-                    for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                    if torch.is_tensor(a) and a.untyped_storage().data_ptr() not in self.produced]
+        external = [a for a in self.describe((args, kwargs)) if isinstance(a, tuple) and a[-1] is not None]
         out = func(*args, **kwargs)
         self.produced.update(t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves(out)
                              if torch.is_tensor(t))
         self.reads.append((str(func), external))
         return out
+
+    @staticmethod
+    def record_launches(module) -> None:
+        """Make every ``_*_kernel`` of ``module`` log its launches (grid, tensors, scalars) to the active mode."""
+        for name in [name for name in vars(module) if name.startswith("_") and name.endswith("_kernel")]:
+            kernel = getattr(module, name)
+
+            def launcher(grid, kernel=kernel, name=name):
+                def launch(*args, **kwargs):
+                    if ExternalReads.active:
+                        mode = ExternalReads.active[-1]
+                        mode.reads.append((name, grid, mode.describe((args, sorted(kwargs.items())))))
+                    return kernel[grid](*args, **kwargs)
+                return launch
+
+            setattr(module, name, type(name, (), {"__getitem__": staticmethod(launcher)})())
 
 
 def host_state(flexi) -> list:
@@ -314,8 +343,12 @@ def check_step() -> None:
     retirements, growth (re-recording), a crop and a continued generate, the tokens must equal the torch reference
     path's."""
     from flexicache import FlexiCache, HeadProfile, cache, decode_graph, step_graph
+    from flexicache.backends import triton_rerank, triton_select, triton_transfer
+    from flexicache.evaluation.generation import greedy_generate
 
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    for module in (triton_select, triton_transfer, triton_rerank):
+        ExternalReads.record_launches(module)
     problems: list = []
 
     class EmulatedGraph:
@@ -380,12 +413,16 @@ def check_step() -> None:
             more_mask = torch.cat([mask, torch.ones(4, more.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
             second = model.generate(more, attention_mask=more_mask, past_key_values=flexi, max_new_tokens=30,
                                     do_sample=False)
-        tokens[mode], stats[mode] = (first, second), flexi.stats()
+            # A hand-written decode loop passes no positions: the step graphs must make them step inputs.
+            alone = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4)
+            loop = greedy_generate(model, ids[0].tolist(), alone, max_new_tokens=24, stop_ids=set())
+        tokens[mode], stats[mode] = (first, second, torch.tensor(loop)), flexi.stats()
+        stats[mode]["loop_replays"] = alone.stats()["step_graph_replays"]
     graphed = stats["step graphs"]
     assert not problems, problems[:1]
     assert graphed["step_graph_replays"] >= 30 and 4 <= graphed["step_graph_captures"] <= 30, graphed
     assert graphed["promoted_pages"] > 0 and graphed["reranks_stable"] == stats["reference"]["reranks_stable"]
-    assert graphed["decode_steps"] == stats["reference"]["decode_steps"]
+    assert graphed["decode_steps"] == stats["reference"]["decode_steps"] and graphed["loop_replays"] >= 15
     assert all(torch.equal(a, b) for a, b in zip(tokens["step graphs"], tokens["reference"]))
 
 

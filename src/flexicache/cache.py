@@ -22,7 +22,7 @@ from flexicache.backends import DecodeBackend, DecodeLayout, build_decode_layout
 from flexicache.config import FlexiCacheConfig
 from flexicache.decode_graph import DecodeGraph, StepInputs
 from flexicache.offload import OffloadedPages, TransferCounters
-from flexicache.paging import PageMetadata, PagePool, ResidentPages, chunk_tokens
+from flexicache.paging import PageMetadata, PagePool, ResidentPages, chunk_tokens, grown_size
 from flexicache.profile import HeadProfile, model_shape
 from flexicache.selection import quest_page_scores, select_pages
 from flexicache.sequence import AppendPlan, SequenceState, host_to_device, per_row
@@ -301,16 +301,23 @@ class FlexiLayer(CacheLayerMixin):
 
     def graphed_step_ready(self) -> bool:
         """Whether this layer's next decode step can be recorded into a whole-step CUDA graph: it ran a decode
-        step on the CUDA graph path before (static buffers, scale and compiled kernels exist)."""
-        return (self.is_initialized and self.graph is not None and self.scale is not None
-                and self._fused_table_fits() and self.settings.cuda_graphs
-                and (self.offloaded is None or self.offloaded.zero_copy))  # torch transfers wait for the device
+        step on the CUDA graph path before (static buffers, scale and compiled kernels exist) and the fused
+        selection still fits once the next token's page is reserved."""
+        if not (self.is_initialized and self.graph is not None and self.scale is not None and self.settings.cuda_graphs
+                and (self.offloaded is None or self.offloaded.zero_copy)):  # torch transfers wait for the device
+            return False
+        from flexicache.backends.triton_select import fits_fused_table
+
+        page_size = self.settings.page_size
+        next_pages = (int(self.sequence.num_tokens_host.max()) + page_size) // page_size  # after one more token
+        return fits_fused_table(grown_size(self.meta.kmin.shape[2], next_pages))
 
     def begin_graphed_step(self) -> tuple:
         """Host side of a decode step whose device work a whole-step graph replays (:mod:`flexicache.step_graph`).
 
-        Does what ``update`` and :meth:`decode` do on the host (token counts, tail retirement, page opening,
-        counters, the FlashInfer plan, the step's static inputs) and prepares :meth:`_record_decode`.
+        Does what ``update`` and :meth:`decode` do on the host (token counts, pool slots and host-tier room for the
+        pages the step opens and retires, counters, the FlashInfer plan, the step's static inputs) and prepares
+        :meth:`_record_decode`.
 
         Returns:
             The key of the recorded work: whether the stable heads rerank, and the storage it reads.

@@ -21,10 +21,15 @@ def grow_dim(tensor: torch.Tensor, dim: int, size: int, fill: float | int | bool
     if size <= current:
         return tensor
     shape = list(tensor.shape)
-    shape[dim] = size + max(16, size // 4)
+    shape[dim] = grown_size(current, size)
     grown = tensor.new_full(shape, fill)
     grown.narrow(dim, 0, current).copy_(tensor)
     return grown
+
+
+def grown_size(current: int, size: int) -> int:
+    """The length :func:`grow_dim` leaves along a dimension of length ``current`` asked for ``size``."""
+    return current if size <= current else size + max(16, size // 4)
 
 
 def chunk_tokens(keys: torch.Tensor, plan: AppendPlan) -> torch.Tensor:

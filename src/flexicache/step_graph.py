@@ -5,8 +5,9 @@ transformers issues a decode step as thousands of small kernel launches from Pyt
 :func:`enable_step_graphs` (``FlexiCache.from_model`` calls it), a decode step (one new token per request) on a
 FlexiCache whose layers all run the CUDA path goes:
 
-1. the cache's host bookkeeping for the step (:meth:`FlexiCache.begin_graphed_step`: token counts, tail page
-   retirement, page opening, counters, the FlashInfer plan, the static per-step inputs);
+1. the cache's host bookkeeping for the step (:meth:`FlexiCache.begin_graphed_step`: token counts, pool slots
+   and host-tier room for the pages the step opens and retires, counters, the FlashInfer plan, the static per-step
+   inputs; the retirement and page opening themselves run in the graph);
 2. the step's inputs (``input_ids``, ``position_ids``, ...) copied into static buffers, then one replay of a CUDA
    graph of the whole forward.
 
@@ -15,13 +16,20 @@ stable heads at this step (``rerank_interval`` phases) and the storage of every 
 (anything that reallocates, e.g. a page pool that grows, drops the cache's graphs and records again). At a step
 with a new key the forward runs once eagerly (the step's real work) and is then captured for the later steps.
 The ``attention_mask`` is not passed to the recorded forward (its width grows every step): at decode the
-flexicache attention takes padding from the cache, not from the mask. Every other call (prefill, another cache,
-layers on the CPU or on several GPUs, ``cuda_graphs=False``) runs the model's forward unchanged.
+flexicache attention takes padding from the cache, not from the mask. Positions must be step inputs: when the
+caller passes neither ``position_ids`` nor ``cache_position`` (a hand-written decode loop), they are made here from
+the cache length, as the model would. Whatever else the forward computes on the host is frozen into the graph: a
+forward that reads the device from the host (e.g. data-dependent control flow) cannot be captured, and the cache
+then falls back to eager steps with a warning. Every other call (prefill, another cache, layers on the CPU or on
+several GPUs, ``cuda_graphs=False``) runs the model's forward unchanged. Graphs belong to one cache: a new cache
+records them again, so generations shorter than about two rerank intervals gain nothing.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,6 +60,7 @@ class StepGraphStore:
         self.pool: tuple | None = None  # one memory pool shared by the graphs (replayed one at a time)
         self.captures = 0
         self.replays = 0
+        self.disabled: str | None = None  # why this cache runs its steps eagerly (a forward that cannot be captured)
 
     def clear(self) -> None:
         """Drop every graph (their storage is gone: cache reset, rebuild or growth)."""
@@ -66,14 +75,22 @@ class StepGraphs:
     def __init__(self, forward: Callable[..., Any]) -> None:
         self.eager_forward = forward
         functools.update_wrapper(self, forward)  # generate() inspects the forward's signature
+        try:
+            self.parameters = inspect.signature(forward).parameters
+        except (TypeError, ValueError):  # no signature to read: positions must come from the caller
+            self.parameters = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = _flexicache_of(kwargs)
         input_ids = kwargs.get("input_ids")
         if (args or cache is None or input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1
-                or kwargs.get("inputs_embeds") is not None or not cache.graphed_step_ready()):
+                or kwargs.get("inputs_embeds") is not None or cache.step_graphs.disabled is not None
+                or not cache.graphed_step_ready()):
             return self.eager_forward(*args, **kwargs)
         recorded_kwargs = {name: value for name, value in kwargs.items() if name != "attention_mask"}
+        recorded_kwargs.update(self._missing_positions(recorded_kwargs, cache.get_seq_length(), input_ids.device))
+        if recorded_kwargs.get("position_ids") is None and recorded_kwargs.get("cache_position") is None:
+            return self.eager_forward(**kwargs)  # no way to hand the forward this step's position
         tensors = {name: value for name, value in recorded_kwargs.items() if torch.is_tensor(value)}
         others = tuple(sorted((name, value) for name, value in recorded_kwargs.items()
                               if not torch.is_tensor(value) and value is not cache))
@@ -84,6 +101,19 @@ class StepGraphs:
         layout = tuple((name, tensor.shape, tensor.dtype, tensor.device) for name, tensor in sorted(tensors.items()))
         return run_graphed_step(cache, (id(self), layout, others), tensors,
                                 lambda static: self.eager_forward(**{**recorded_kwargs, **static}))
+
+    def _missing_positions(self, kwargs: dict[str, Any], past: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """Positions the forward would derive on the host from the cache length (``past`` tokens before this one)
+        and that must be step inputs instead: ``cache_position`` ``[1]`` where the forward takes it, and
+        ``position_ids`` ``[1, 1]`` when the caller gave neither."""
+        position = torch.arange(past, past + 1, device=device)
+        missing = {}
+        if kwargs.get("cache_position") is None and "cache_position" in self.parameters:
+            missing["cache_position"] = position
+        if (kwargs.get("position_ids") is None and kwargs.get("cache_position") is None
+                and "position_ids" in self.parameters):
+            missing["position_ids"] = position.unsqueeze(0)
+        return missing
 
 
 def run_graphed_step(cache: FlexiCache, key: tuple, tensors: dict[str, torch.Tensor],
@@ -127,8 +157,17 @@ def _record(store: StepGraphStore, key: tuple, cache: FlexiCache, tensors: dict[
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             output = forward(inputs)
+        # The output was allocated on the capture stream and is read on the current one; its blocks are reused by
+        # the capture stream only after the next wait_stream(current) above, so no record_stream is needed.
         current.wait_stream(stream)
-        graph = capture(lambda: outputs.append(forward(inputs)), device, pool=store.pool)
+        try:
+            graph = capture(lambda: outputs.append(forward(inputs)), device, pool=store.pool)
+        except RuntimeError as error:  # e.g. the forward reads a device value on the host (not capturable)
+            store.clear()
+            store.disabled = f"{type(error).__name__}: {error}"
+            warnings.warn(f"FlexiCache: this model's decode step cannot be captured as a CUDA graph ({error}); "
+                          "the cache runs its steps layer by layer from now on.", RuntimeWarning, stacklevel=3)
+            return output
     store.steps[key] = RecordedStep(graph, inputs, outputs[0])
     store.captures += 1
     return output
