@@ -339,8 +339,9 @@ def check_step() -> None:
     """Whole-step CUDA graphs emulated on CPU tensors (Triton kernels interpreted, FlashInfer replaced by the torch
     stand-in). A "capture" runs the prepared step once and records every op's external reads; a "replay" runs the
     recorded forward again and must read exactly the same storage (nothing per-step baked in) without changing any
-    host state (a real replay runs no Python). Through left padding, reranks at every phase, promotions, tail
-    retirements, growth (re-recording), a crop and a continued generate, the tokens must equal the torch reference
+    host state (a real replay runs no Python). Through left padding, two requests opening pages at the same steps,
+    reranks at every phase, promotions, tail retirements, growth while steps replay (4-token pages: checked to
+    happen), a crop, a continued generate and a hand-written decode loop, the tokens must equal the torch reference
     path's."""
     from flexicache import FlexiCache, HeadProfile, cache, decode_graph, step_graph
     from flexicache.backends import triton_rerank, triton_select, triton_transfer
@@ -391,7 +392,8 @@ def check_step() -> None:
             self.offloaded.counters.bytes_h2d = torch.zeros((), dtype=torch.long)
 
     def graphed_step_ready(self):  # the CUDA device check left out
-        return self.settings.cuda_graphs and all(layer.graphed_step_ready() for layer in self.layers)
+        next_pages = (int(self.sequence.num_tokens_host.max()) + 16) // 16
+        return self.settings.cuda_graphs and all(layer.graphed_step_ready(next_pages) for layer in self.layers)
 
     tokens, stats = {}, {}
     for mode in ("step graphs", "reference"):
@@ -404,9 +406,14 @@ def check_step() -> None:
         else:
             (cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run,
              cache.FlexiCache.graphed_step_ready, step_graph._record) = original
-        flexi = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4)
+        flexi = FlexiCache.from_model(model, profile=profile, token_budget=32, page_size=4, rerank_interval=4)
+        grew = []
+        clear = flexi.step_graphs.clear
+        flexi.step_graphs.clear = lambda: (  # note the clears of a storage change (not those of a reset)
+            grew.append(flexi.step_graphs.replays) if sys._getframe(1).f_code.co_name == "run_graphed_step" else None,
+            clear())[1]
         with torch.inference_mode():
-            first = model.generate(ids, attention_mask=mask, past_key_values=flexi, max_new_tokens=40, do_sample=False)
+            first = model.generate(ids, attention_mask=mask, past_key_values=flexi, max_new_tokens=90, do_sample=False)
             flexi.crop(-9)
             more = torch.cat([first[:, :-9], torch.randint(0, 512, (4, 7), generator=torch.Generator().manual_seed(1))],
                              dim=1)
@@ -417,9 +424,11 @@ def check_step() -> None:
             alone = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4)
             loop = greedy_generate(model, ids[0].tolist(), alone, max_new_tokens=24, stop_ids=set())
         tokens[mode], stats[mode] = (first, second, torch.tensor(loop)), flexi.stats()
+        stats[mode]["grew"] = grew
         stats[mode]["loop_replays"] = alone.stats()["step_graph_replays"]
     graphed = stats["step graphs"]
     assert not problems, problems[:1]
+    assert graphed["grew"], "no buffer grew while steps replayed: growth and re-recording went untested"
     assert graphed["step_graph_replays"] >= 30 and 4 <= graphed["step_graph_captures"] <= 30, graphed
     assert graphed["promoted_pages"] > 0 and graphed["reranks_stable"] == stats["reference"]["reranks_stable"]
     assert graphed["decode_steps"] == stats["reference"]["decode_steps"] and graphed["loop_replays"] >= 15
