@@ -92,3 +92,18 @@ def test_a_forward_that_cannot_be_captured_falls_back_to_eager_steps(monkeypatch
     assert torch.equal(output, torch.full((1, 1), 2)) and recording == [True]  # the step ran, recorded-mode
     assert cache.step_graphs.disabled is not None and not cache.step_graphs.steps
     assert cache.step_graphs.captures == 0 and not cache.layers[0].recording
+
+
+def test_begin_step_host_time_script_runs() -> None:
+    """eval/begin_step_host_time.py (it patches the cache's CUDA parts, so it runs in its own process)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"), OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, str(root / "eval" / "begin_step_host_time.py"), "--layers", "2",
+                             "--batch", "2"], env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "begin step, 2 layers, batch 2: p50" in result.stdout
