@@ -85,10 +85,13 @@ def test_a_forward_that_cannot_be_captured_falls_back_to_eager_steps(monkeypatch
     monkeypatch.setattr(step_graph, "capture", failing_capture)
     cache = FlexiCache(tiny_model().config)
     recording = []
+    def forward(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        recording.append(cache.layers[0].recording)
+        return inputs["input_ids"] + 1
+
     with pytest.warns(RuntimeWarning, match="cannot be captured"):
         output = step_graph._record(cache.step_graphs, ("key",), cache,
-                                    {"input_ids": torch.ones(1, 1, dtype=torch.long)},
-                                    lambda inputs: recording.append(cache.layers[0].recording) or inputs["input_ids"] + 1)
+                                    {"input_ids": torch.ones(1, 1, dtype=torch.long)}, forward)
     assert torch.equal(output, torch.full((1, 1), 2)) and recording == [True]  # the step ran, recorded-mode
     assert cache.step_graphs.disabled is not None and not cache.step_graphs.steps
     assert cache.step_graphs.captures == 0 and not cache.layers[0].recording
