@@ -62,6 +62,21 @@ def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def generate_crop_continue(model, flexi, ids: torch.Tensor, mask: torch.Tensor, first_tokens: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy ``generate`` of ``first_tokens``, a crop of 9 positions, then 7 new prompt tokens and 30 more."""
+    first = model.generate(ids, attention_mask=mask, past_key_values=flexi, max_new_tokens=first_tokens,
+                           do_sample=False)
+    flexi.crop(-9)
+    batch = ids.shape[0]
+    more = torch.cat([first[:, :-9], torch.randint(0, 512, (batch, 7), generator=torch.Generator().manual_seed(1))],
+                     dim=1)
+    more_mask = torch.cat([mask, torch.ones(batch, more.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+    second = model.generate(more, attention_mask=more_mask, past_key_values=flexi, max_new_tokens=30,
+                            do_sample=False)
+    return first, second
+
+
 def listed_pages(table: tuple[torch.Tensor, torch.Tensor]) -> list[list[tuple[int, int]]]:
     slots, lens = (tensor.tolist() for tensor in table)
     return [[(slot, length) for slot, length in zip(row_slots, row_lens) if length > 0]
@@ -256,14 +271,7 @@ def check_graph() -> None:
             cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run = original
         flexi = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4)
         with torch.inference_mode():
-            first = model.generate(ids, attention_mask=mask, past_key_values=flexi, max_new_tokens=40, do_sample=False)
-            flexi.crop(-9)
-            more = torch.cat([first[:, :-9], torch.randint(0, 512, (3, 7), generator=torch.Generator().manual_seed(1))],
-                             dim=1)
-            more_mask = torch.cat([mask, torch.ones(3, more.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
-            second = model.generate(more, attention_mask=more_mask, past_key_values=flexi, max_new_tokens=30,
-                                    do_sample=False)
-        tokens[mode] = first, second
+            tokens[mode] = generate_crop_continue(model, flexi, ids, mask, first_tokens=40)
         if mode == "graph":
             captures = [layer.graph.captures for layer in flexi.layers]
             assert all(1 <= count <= 12 for count in captures), captures  # most steps replay
@@ -413,13 +421,7 @@ def check_step() -> None:
             grew.append(flexi.step_graphs.replays) if sys._getframe(1).f_code.co_name == "run_graphed_step" else None,
             clear())[1]
         with torch.inference_mode():
-            first = model.generate(ids, attention_mask=mask, past_key_values=flexi, max_new_tokens=90, do_sample=False)
-            flexi.crop(-9)
-            more = torch.cat([first[:, :-9], torch.randint(0, 512, (4, 7), generator=torch.Generator().manual_seed(1))],
-                             dim=1)
-            more_mask = torch.cat([mask, torch.ones(4, more.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
-            second = model.generate(more, attention_mask=more_mask, past_key_values=flexi, max_new_tokens=30,
-                                    do_sample=False)
+            first, second = generate_crop_continue(model, flexi, ids, mask, first_tokens=90)
             # A hand-written decode loop passes no positions: the step graphs must make them step inputs.
             alone = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4)
             loop = greedy_generate(model, ids[0].tolist(), alone, max_new_tokens=24, stop_ids=set())
