@@ -57,6 +57,23 @@ def test_flashinfer_backend_on_cpu_is_refused():
         greedy(model, random_prompt(5, seed=0).view(1, -1), cache, None, 2)
 
 
+@pytest.mark.parametrize(("dtype", "head_dim", "reason"), [
+    (torch.float32, 128, "float16/bfloat16 KV, the model runs in torch.float32"),
+    (torch.float64, 64, "float16/bfloat16 KV, the model runs in torch.float64"),
+    (torch.bfloat16, 16, "head dims .*the model's is 16"),
+])
+def test_kv_flashinfer_cannot_decode_gets_the_reference_backend(dtype, head_dim, reason):
+    """On CUDA, "auto" falls back to the torch kernel (with a warning) for KV FlashInfer has no kernel for, and an
+    explicit "flashinfer" is refused with what to change (nothing here touches a GPU: the check comes first)."""
+    from flexicache.backends import ReferenceBackend, resolve_backend
+
+    cuda = torch.device("cuda", 0)
+    with pytest.warns(UserWarning, match=reason):
+        assert isinstance(resolve_backend("auto", cuda, dtype, head_dim), ReferenceBackend)
+    with pytest.raises(ValueError, match=f"backend='flashinfer': FlashInfer decodes {reason}.*'auto' or 'reference'"):
+        resolve_backend("flashinfer", cuda, dtype, head_dim)
+
+
 @pytest.mark.parametrize("shape", [(4, 2, 8), (3, 4, 8), (3, 2, 16)])
 def test_profile_for_another_model(shape):
     config = tiny_config(num_layers=3, num_kv_heads=2, head_dim=8)

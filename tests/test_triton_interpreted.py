@@ -264,7 +264,7 @@ def check_graph() -> None:
     tokens = {}
     for mode in ("graph", "reference"):
         if mode == "graph":
-            cache.resolve_backend = lambda name, device: FlashInferStandIn(launches)
+            cache.resolve_backend = lambda name, device, dtype, head_dim: FlashInferStandIn(launches)
             cache.FlexiLayer.lazy_initialization = lazy_initialization
             decode_graph.DecodeGraph.run = run
         else:
@@ -406,7 +406,7 @@ def check_step() -> None:
     tokens, stats = {}, {}
     for mode in ("step graphs", "reference"):
         if mode == "step graphs":
-            cache.resolve_backend = lambda name, device: FlashInferStandIn([])
+            cache.resolve_backend = lambda name, device, dtype, head_dim: FlashInferStandIn([])
             cache.FlexiLayer.lazy_initialization = lazy_initialization
             decode_graph.DecodeGraph.run = lambda self, launch, storage_key: (launch(), self.output)[1]
             cache.FlexiCache.graphed_step_ready = graphed_step_ready

@@ -4,7 +4,8 @@ Run as ``torchrun --standalone --nproc-per-node N tests/tp_worker.py MODEL_DIR O
 model; CPU: gloo, with N GPUs: NCCL, one GPU per rank). Every rank loads the model with ``tp_plan="auto"``, builds
 its caches through :func:`flexicache.parallel.local_view` with the full model's profile from ``OUT_DIR/profile.json``
 and writes ``OUT_DIR/rank{r}.json``: the generated tokens (``[B, L + new]`` lists), the heads its caches hold and the
-largest logit difference from DynamicCache at a budget covering the context. A last run builds the small-budget
+largest logit difference from DynamicCache at a budget covering the context (with the default backend and with the
+torch reference kernel). A last run builds the small-budget
 cache with ``FlexiCache.from_model`` (on a GPU: whole-step CUDA graphs, which then record the TP all-reduces too).
 """
 
@@ -72,13 +73,15 @@ def main() -> None:
     dense, dense_logits = generate(model, inputs, DynamicCache(config=model.config), args.new_tokens)
     result: dict = {"rank": int(os.environ["RANK"]), "shard": tensor_parallel_shard(model), "dense": dense.tolist()}
     settings = {"page_size": args.page_size, "rerank_interval": 4}
-    for name, budget in (("full_budget", full_budget), ("small_budget", args.small_budget),
-                         ("small_budget_from_model", args.small_budget)):
+    for name, budget, backend in (("full_budget", full_budget, "auto"), ("full_budget_reference", full_budget,
+                                                                             "reference"),
+                                  ("small_budget", args.small_budget, "auto"),
+                                  ("small_budget_from_model", args.small_budget, "auto")):
         if name == "small_budget_from_model":
             cache = FlexiCache.from_model(model, profile, token_budget=budget, **settings)
         else:
             config, local_profile = local_view(model, profile)
-            cache = FlexiCache(config, profile=local_profile, token_budget=budget, **settings)
+            cache = FlexiCache(config, profile=local_profile, token_budget=budget, backend=backend, **settings)
         tokens, logits = generate(model, inputs, cache, args.new_tokens)
         stats = cache.stats()
         result[name] = {

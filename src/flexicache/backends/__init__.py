@@ -23,12 +23,32 @@ def triton_available() -> bool:
     return True
 
 
-def resolve_backend(name: str, device: torch.device) -> DecodeBackend:
-    """The backend called ``name``; ``"auto"`` is FlashInfer on CUDA when importable, else the torch reference."""
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def flashinfer_unsupported(dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why FlashInfer's decode kernels cannot serve KV of this dtype and head dim, or ``None``."""
+    if dtype not in FLASHINFER_DTYPES:
+        return f"FlashInfer decodes float16/bfloat16 KV, the model runs in {dtype}"
+    if head_dim not in FLASHINFER_HEAD_DIMS:
+        return f"FlashInfer decodes head dims {FLASHINFER_HEAD_DIMS}, the model's is {head_dim}"
+    return None
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> DecodeBackend:
+    """The backend called ``name`` for KV of ``dtype`` and ``head_dim`` on ``device``; ``"auto"`` is FlashInfer on
+    CUDA when importable and able to serve that KV, else the torch reference (with a warning on CUDA)."""
     if name == "reference" or (name == "auto" and device.type != "cuda"):
         return ReferenceBackend()
     if device.type != "cuda":
         raise ValueError(f"backend='flashinfer' needs a CUDA device, the cache is on {device}; use 'reference'.")
+    unsupported = flashinfer_unsupported(dtype, head_dim)
+    if unsupported is not None:
+        if name == "flashinfer":
+            raise ValueError(f"backend='flashinfer': {unsupported}. Use backend='auto' or 'reference' (torch).")
+        warnings.warn(f"{unsupported}: FlexiCache decodes with the torch reference backend (slower).", stacklevel=3)
+        return ReferenceBackend()
     from flexicache.backends.flashinfer import flashinfer_available
 
     if flashinfer_available():
