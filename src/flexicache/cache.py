@@ -42,7 +42,7 @@ class FlexiLayer(CacheLayerMixin):
                  sequence: SequenceState, backends: dict[torch.device, DecodeBackend],
                  step_inputs: dict[torch.device, StepInputs] | None = None) -> None:
         super().__init__()
-        self.backends = backends  # shared by the cache's layers: one backend (and plan) per device, dtype, head dim
+        self.backends = backends  # shared by the cache's layers: one backend (and plan) per device
         self.step_inputs = {} if step_inputs is None else step_inputs  # shared: per-step values per device
         self.layer_idx = layer_idx
         self.settings = settings
@@ -77,10 +77,9 @@ class FlexiLayer(CacheLayerMixin):
             )
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch_size, self.head_dim = batch_size, head_dim
-        backend_key = (self.device, self.dtype, head_dim)
-        if backend_key not in self.backends:
-            self.backends[backend_key] = resolve_backend(self.settings.backend, *backend_key)
-        self.backend = self.backends[backend_key]
+        if self.device not in self.backends:  # a model's layers share the dtype and head dim
+            self.backends[self.device] = resolve_backend(self.settings.backend, self.device, self.dtype, head_dim)
+        self.backend = self.backends[self.device]
         page_size = self.settings.page_size
         self.pool = PagePool(page_size, head_dim, self.dtype, self.device)
         self.unstable_index = torch.tensor(self.unstable_heads, dtype=torch.long, device=self.device)
@@ -608,7 +607,7 @@ class FlexiCache(DynamicCache):
         self.profile = profile
         num_layers, num_kv_heads, _ = model_shape(config)
         self.sequence = SequenceState(page_size)
-        self.backends: dict[tuple[torch.device, torch.dtype, int], DecodeBackend] = {}
+        self.backends: dict[torch.device, DecodeBackend] = {}
         self.step_inputs: dict[torch.device, StepInputs] = {}
         layers = [
             FlexiLayer(index, self.settings, profile.unstable_heads_of(index), num_kv_heads, self.sequence,
