@@ -152,6 +152,13 @@ class StepTimer(transformers.LogitsProcessor):
         steps = len(self.times) - 1
         return batch * steps / (self.times[-1] - self.times[0]) if steps > 0 else float("nan")
 
+    def step_milliseconds(self) -> dict[str, float]:
+        """Median and slowest decode step (ms): a slow outlier (a compile, a reallocation) shows against the median."""
+        steps = sorted(1000 * (end - start) for start, end in zip(self.times, self.times[1:]))
+        if not steps:
+            return {"p50": float("nan"), "max": float("nan")}
+        return {"p50": steps[len(steps) // 2], "max": steps[-1]}
+
 
 def cache_keyword() -> str:
     """``generate``'s name for the cache: ``cache`` from transformers 5.24, ``past_key_values`` before."""
@@ -159,14 +166,14 @@ def cache_keyword() -> str:
     return "cache" if (major, minor) >= (5, 24) else "past_key_values"
 
 
-def run(model: torch.nn.Module, ids: torch.Tensor, cache, new_tokens: int) -> tuple[torch.Tensor, float]:
-    """Greedy generation: ``(new tokens [B, new_tokens], decode tokens/s)``."""
+def run(model: torch.nn.Module, ids: torch.Tensor, cache, new_tokens: int) -> tuple[torch.Tensor, StepTimer]:
+    """Greedy generation: ``(new tokens [B, new_tokens], the decode steps' timer)``."""
     timer = StepTimer()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                              num_beams=1, logits_processor=transformers.LogitsProcessorList([timer]),
                              **{cache_keyword(): cache})
-    return out[:, ids.shape[1]:].cpu(), timer.tokens_per_second(ids.shape[0])
+    return out[:, ids.shape[1]:].cpu(), timer
 
 
 def dynamic_kv_bytes_by_device(cache: transformers.DynamicCache) -> dict[str, int]:
@@ -213,16 +220,19 @@ def main(argv: list[str] | None = None) -> int:
 
     reset_peaks()
     dense_cache = transformers.DynamicCache(config=model.config)
-    dense_tokens, dense_speed = run(model, ids, dense_cache, args.new_tokens)
-    results["dynamic"] = {"decode_tokens_per_s": dense_speed, "kv_bytes_by_device": dynamic_kv_bytes_by_device(
+    dense_tokens, dense_timer = run(model, ids, dense_cache, args.new_tokens)
+    dense_speed = dense_timer.tokens_per_second(args.batch)
+    results["dynamic"] = {"decode_tokens_per_s": dense_speed, "step_ms": dense_timer.step_milliseconds(),
+                          "kv_bytes_by_device": dynamic_kv_bytes_by_device(
         dense_cache), "peak_gpu_bytes": peak_memory()}
     del dense_cache
 
     reset_peaks()
     cache = FlexiCache.from_model(model, token_budget=args.budget)
-    tokens, speed = run(model, ids, cache, args.new_tokens)
-    stats = cache.stats()
-    results["flexicache"] = {"decode_tokens_per_s": speed, "kv_bytes_by_device": kv_bytes_by_device(cache),
+    tokens, timer = run(model, ids, cache, args.new_tokens)
+    speed, stats = timer.tokens_per_second(args.batch), cache.stats()
+    results["flexicache"] = {"decode_tokens_per_s": speed, "step_ms": timer.step_milliseconds(),
+                             "kv_bytes_by_device": kv_bytes_by_device(cache),
                              "peak_gpu_bytes": peak_memory(), "stats": stats}
     results["layers_per_device"] = dict(Counter(str(layer.device) for layer in cache.layers))
     results["agreement"] = agreement(dense_tokens, tokens)
@@ -241,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{ours.get('device_kv_bytes', 0) / MIB:>14,.2f} {ours.get('device_metadata_bytes', 0) / MIB:>11,.2f} "
               f"{ours.get('host_kv_bytes', 0) / MIB:>10,.2f}")
     print(f"decode tokens/s: DynamicCache {dense_speed:.2f}, FlexiCache {speed:.2f}")
+    for name in ("dynamic", "flexicache"):
+        step = results[name]["step_ms"]
+        print(f"{name} decode step: median {step['p50']:.1f} ms, slowest {step['max']:.1f} ms")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as handle:
             json.dump(results, handle, indent=2)

@@ -225,3 +225,35 @@ def test_whole_step_graphs_match_eager_generation() -> None:
     assert graphed_stats["step_graph_replays"] >= 90 and graphed_stats["step_graph_captures"] <= 25, graphed_stats
     for name in ("promoted_pages", "reranks_stable", "reranks_unstable", "bytes_h2d", "bytes_d2h", "decode_steps"):
         assert graphed_stats[name] == eager_stats[name], name
+
+
+def compiled_triton_variants() -> int:
+    """Compiled variants of every FlexiCache Triton kernel, over all devices."""
+    from flexicache.backends import triton_rerank, triton_select, triton_transfer
+
+    kernels = [triton_rerank._rerank_kernel, triton_select._score_pages_kernel, triton_select._decode_table_kernel,
+               triton_select._append_token_kernel, triton_transfer._copy_pages_kernel,
+               triton_transfer._retire_tails_kernel, triton_transfer._open_pages_kernel,
+               triton_transfer._write_tokens_kernel]
+    return sum(len(caches[0]) for kernel in kernels for caches in list(kernel.device_caches.values()))
+
+
+def test_other_sizes_compile_no_new_kernel_variants() -> None:
+    """A generation with another batch (1: Triton's own value class), context and profile (other row counts, bases
+    and capacities) compiles no Triton kernel the first generation did not: integer arguments are not specialized,
+    so a decode step never stops for a compile (~0.5-0.9 s each, seen mid-generation on the H200)."""
+    model = tiny_model(4)
+    runs = [((3, 500), [(0, 0), (2, 1), (3, 0)]), ((1, 630), [(1, 0), (2, 0), (3, 1)])]
+    counts = []
+    for (batch, context), unstable in runs:
+        profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim, unstable_heads=unstable)
+        cache = FlexiCache.from_model(model, profile=profile, token_budget=128, backend="flashinfer")
+        disable_step_graphs(model)  # the layer-by-layer path launches every kernel with the step's sizes
+        ids = torch.randint(0, 512, (batch, context), device="cuda")
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=40,
+                           do_sample=False)
+        stats = cache.stats()
+        assert stats["reranks_stable"] > 0 and stats["promoted_pages"] > 0, stats
+        counts.append(compiled_triton_variants())
+    assert counts[0] > 0 and counts[1] == counts[0], counts

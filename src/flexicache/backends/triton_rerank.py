@@ -18,7 +18,7 @@ from flexicache.backends.triton_select import MAX_SCORED_PAGES, _order_key, _top
 from flexicache.backends.triton_transfer import copy_pages
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["scores_stride", "base", "host_pages_per_row"])
 def _rerank_kernel(scores_ptr, num_full_ptr, selected_ptr, selected_scores_ptr, new_pages_ptr, copy_src_ptr,
                    copy_dst_ptr, copy_mask_ptr, promoted_ptr, scores_stride, base, host_pages_per_row,
                    SLOTS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):

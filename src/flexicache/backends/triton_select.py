@@ -12,6 +12,10 @@ Three launches per layer and step, all CUDA-graph capturable (every per-step val
 
 Outputs are the compacted FlashInfer index buffer (``indices[indptr[r] + j]``) and/or the padded ``[B * H, K]``
 slot/length table of the backend interface.
+
+Every kernel of this package marks its integer arguments ``do_not_specialize``: Triton would otherwise compile a
+variant per value class (1, multiples of 16), and these sizes differ between layers and change with buffer growth,
+so a new variant compiled in the middle of a decode (~0.5-0.9 s for one step, seen on the H200).
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def _row_of(pid, num_unstable_rows, num_unstable, num_stable, num_heads, unstabl
     return index, batch, batch * num_heads + head
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_unstable", "num_heads", "meta_capacity", "scores_stride"])
 def _score_pages_kernel(query_ptr, kmin_ptr, kmax_ptr, num_tokens_ptr, unstable_heads_ptr, scores_ptr,
                         num_unstable, num_heads, meta_capacity, scores_stride,
                         K: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -108,7 +112,8 @@ def _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, positions
         tl.store(flat_ptr + tl.load(indptr_ptr + row) + positions, slots.to(tl.int32), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_unstable_rows", "num_unstable", "num_stable", "num_heads", "table_capacity",
+                               "stable_base", "scores_stride"])
 def _decode_table_kernel(
     scores_ptr, table_ptr, selected_ptr, num_tokens_ptr, unstable_heads_ptr, stable_heads_ptr,
     out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr,
@@ -233,7 +238,7 @@ def decode_table(inputs: TableInputs, scores: torch.Tensor, flat: torch.Tensor |
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_heads", "meta_capacity"])
 def _append_token_kernel(keys_ptr, values_ptr, pool_k_ptr, pool_v_ptr, kmin_ptr, kmax_ptr, write_slots_ptr,
                          page_ptr, offset_ptr, num_heads, meta_capacity,
                          PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):

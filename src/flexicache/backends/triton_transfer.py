@@ -45,7 +45,7 @@ def copy_pages(source: tuple[torch.Tensor, torch.Tensor], target: tuple[torch.Te
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["base", "num_heads", "host_pages_per_row"])
 def _retire_tails_kernel(pool_k_ptr, pool_v_ptr, host_k_ptr, host_v_ptr, selected_ptr, scores_ptr, batch_ptr,
                          before_ptr, base, num_heads, host_pages_per_row,
                          K: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
@@ -112,7 +112,7 @@ def retire_tails(pool: tuple[torch.Tensor, torch.Tensor], host: tuple[torch.Tens
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch_size", "table_width", "num_kv_heads"])
 def _open_pages_kernel(table_ptr, write_slots_ptr, heads_ptr, page_ptr, offset_ptr, start_ptr, batch_size,
                        table_width, num_kv_heads, NUM_HEADS: tl.constexpr, BLOCK_B: tl.constexpr,
                        BLOCK_H: tl.constexpr):
@@ -152,7 +152,7 @@ def open_pages(table: torch.Tensor, write_slots: torch.Tensor, heads: torch.Tens
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_heads", "host_pages_per_row"])
 def _write_tokens_kernel(keys_ptr, values_ptr, host_k_ptr, host_v_ptr, batch_ptr, page_ptr, offset_ptr, num_heads,
                          host_pages_per_row, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0)
