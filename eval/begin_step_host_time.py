@@ -48,7 +48,7 @@ def graph_path_on_cpu() -> None:
             self.offloaded.counters.bytes_h2d = torch.zeros((), dtype=torch.long)
 
     cache.FlexiLayer.lazy_initialization = lazy_initialization
-    cache.resolve_backend = lambda name, device: FlashInferStandIn([])
+    cache.resolve_backend = lambda name, device, dtype, head_dim: FlashInferStandIn([])
     decode_graph.DecodeGraph.run = lambda self, launch, storage_key: (launch(), self.output)[1]
 
 

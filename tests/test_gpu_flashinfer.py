@@ -257,3 +257,34 @@ def test_other_sizes_compile_no_new_kernel_variants() -> None:
         assert stats["reranks_stable"] > 0 and stats["promoted_pages"] > 0, stats
         counts.append(compiled_triton_variants())
     assert counts[0] > 0 and counts[1] == counts[0], counts
+
+
+def test_collecting_an_old_cache_does_not_break_the_next_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache that became garbage (here kept in a reference cycle, as caches often are) must not be collected while
+    the next cache records its CUDA graphs: destroying its graphs there invalidates the capture (seen on the H200).
+    A collection is forced inside every recording where the collector is on; both generations give the same tokens."""
+    import gc
+
+    from flexicache.backends import triton_select
+
+    append_token = triton_select.append_token
+
+    def collecting_append_token(*args, **kwargs):  # the first launch of every decode step's device work
+        if torch.cuda.is_current_stream_capturing() and gc.isenabled():  # the collector could run here
+            gc.collect()
+        return append_token(*args, **kwargs)
+
+    monkeypatch.setattr(triton_select, "append_token", collecting_append_token)
+    model = tiny_model(4)
+    profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim, unstable_heads=[(0, 0), (2, 1)])
+    ids = torch.randint(0, 512, (2, 400), device="cuda")
+    sequences = []
+    for _ in range(2):
+        cache = FlexiCache.from_model(model, profile=profile, token_budget=128, backend="flashinfer")
+        with torch.inference_mode():
+            sequences.append(model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                            max_new_tokens=40, do_sample=False))
+        assert cache.stats()["step_graph_replays"] > 0
+        cache.cycle = cache  # only the collector frees it now
+        cache = None
+    assert torch.equal(sequences[0], sequences[1])

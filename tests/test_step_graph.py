@@ -4,6 +4,8 @@ graphs) and on the GPU in test_gpu_flashinfer.py (real graphs against eager gene
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import inspect
 
 import pytest
@@ -110,3 +112,51 @@ def test_begin_step_host_time_script_runs() -> None:
                              "--batch", "2"], env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "begin step, 2 layers, batch 2: p50" in result.stdout
+
+
+class RecordingGraph:
+    """Stands in for ``torch.cuda.CUDAGraph``: notes whether garbage collection was on at the capture's ends."""
+
+    def __init__(self) -> None:
+        self.gc_enabled: list[bool] = []
+
+    def capture_begin(self, pool=None) -> None:
+        self.gc_enabled.append(gc.isenabled())
+
+    def capture_end(self) -> None:
+        self.gc_enabled.append(gc.isenabled())
+
+
+class FakeStream:
+    def wait_stream(self, other) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_capture_keeps_garbage_collection_off_while_recording(monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
+    """A collection during a capture could free an earlier cache's graphs or pinned buffers: CUDA calls that
+    invalidate the capture. Collection is off from the capture's start to its end and back on after (also when the
+    recorded work raises); it stays off if the caller had it off."""
+    from flexicache import decode_graph
+
+    graphs: list[RecordingGraph] = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: graphs.append(RecordingGraph()) or graphs[-1])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(decode_graph, "capture_stream", lambda device: FakeStream())
+    seen: list[bool] = []
+
+    def launch() -> None:
+        seen.append(gc.isenabled())
+        if fails:
+            raise RuntimeError("capture failed")
+
+    for collecting in (True, False):
+        (gc.enable if collecting else gc.disable)()
+        try:
+            with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
+                decode_graph.capture(launch, torch.device("cuda", 0))
+            assert gc.isenabled() is collecting
+        finally:
+            gc.enable()
+    assert seen == [False, False] and [graph.gc_enabled for graph in graphs] == [[False, False], [False, False]]

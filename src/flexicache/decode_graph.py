@@ -10,6 +10,7 @@ page table growth, a new plan wrapper) changes the graph's storage key, and the 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import torch
@@ -99,12 +100,20 @@ def capture(launch: Callable[[], None], device: torch.device, pool: tuple | None
     current = torch.cuda.current_stream(device)
     stream = capture_stream(device)
     stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool)
-        try:
-            launch()
-        finally:
-            graph.capture_end()
+    # A garbage collection inside the capture could destroy an earlier cache's graphs or release its pinned
+    # buffers: CUDA calls that invalidate the capture (seen on the H200 when a second cache recorded its graphs).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool)
+            try:
+                launch()
+            finally:
+                graph.capture_end()
+    finally:
+        if collecting:
+            gc.enable()
     current.wait_stream(stream)
     return graph
 
