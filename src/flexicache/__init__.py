@@ -8,9 +8,10 @@ from flexicache.cache import FlexiCache, FlexiLayer
 from flexicache.config import FlexiCacheConfig
 from flexicache.profile import HeadProfile
 from flexicache.step_graph import disable_step_graphs, enable_step_graphs
+from flexicache.warmup import warm_up
 
 _register_attention()
 
 __all__ = ["FlexiCache", "FlexiCacheConfig", "FlexiLayer", "HeadProfile", "disable_step_graphs",
-           "enable_step_graphs"]
+           "enable_step_graphs", "warm_up"]
 __version__ = "0.1.0"

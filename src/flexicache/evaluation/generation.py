@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from flexicache.models import cache_keyword
+
 
 @functools.cache
 def _forward_parameters(model_class: type) -> frozenset[str]:
@@ -24,7 +26,7 @@ def forward(model: Any, ids: Sequence[int], cache: Any, last_only: bool = True) 
     """One forward of ``ids`` appended to ``cache``; returns logits [len(ids) or 1, vocab] in float32."""
     parameters = _forward_parameters(type(model))
     # transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns); 5.17 knows only the old one
-    kwargs: dict[str, Any] = {"cache" if "cache" in parameters else "past_key_values": cache}
+    kwargs: dict[str, Any] = {cache_keyword(model): cache}
     if last_only and "logits_to_keep" in parameters:
         kwargs["logits_to_keep"] = 1
     out = model(input_ids=torch.tensor([list(ids)], device=model.device), use_cache=True, **kwargs)

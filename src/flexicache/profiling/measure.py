@@ -7,7 +7,6 @@ and chosen with :func:`select_pages` (sink and tail forced), so the recorded set
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from flexicache.models import cache_keyword
 from flexicache.profile import model_shape
 from flexicache.profiling.online import prompt_stability
 from flexicache.profiling.pages import PageBounds
@@ -124,11 +124,6 @@ def _single_threaded(device: torch.device) -> Iterator[None]:
             torch.set_num_threads(threads)
 
 
-def _cache_keyword(model: torch.nn.Module) -> str:
-    """``cache`` (transformers >= 5.24) or ``past_key_values`` (older 5.x), whichever ``model.forward`` takes."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _next_tokens(
     logits: torch.Tensor, continuation: torch.Tensor | None, index: int, banned: Sequence[int]
 ) -> torch.Tensor:
@@ -171,7 +166,7 @@ def trace_batch(
     attention_pages = pages.clone() if settings.attention_mass else None
     num_pages = torch.zeros(steps, dtype=torch.int32)
     cache = DynamicCache(config=model.config)
-    cache_kw = {_cache_keyword(model): cache}
+    cache_kw = {cache_keyword(model): cache}
     recorder = QueryRecorder(prefill_tail=settings.online_window)
     estimate = None
     with probing(model, recorder):
