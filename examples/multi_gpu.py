@@ -6,8 +6,9 @@ random tokens and greedily generates ``--new-tokens`` tokens with DynamicCache, 
 the tokens agree, the KV bytes each device holds for both caches (FlexiCache's from
 ``flexicache.parallel.kv_bytes_by_device``) and the decode tokens/s of both.
 
-    # the multi-GPU host: Llama-3.1-70B shape in bf16 over every visible GPU, 32k context, 1k budget
-    python examples/multi_gpu.py --shape 70b --out result.json
+    # the multi-GPU host: Llama-3.1-70B shape in bf16 over every visible GPU, 32k context, 1k budget; --warm-up keeps
+    # first-use kernel compiles out of the timings (it costs one more prefill of --context)
+    python examples/multi_gpu.py --shape 70b --warm-up --out result.json
     # one GPU: cap its memory to force a GPU/CPU split (CPU layers stream their weights to the GPU, as accelerate
     # does; --cpu-layers run computes them on the CPU instead, so their KV lives in CPU memory)
     python examples/multi_gpu.py --shape 8b --max-gpu-memory 8GiB --context 8192
@@ -32,7 +33,7 @@ import torch
 import transformers
 from accelerate.utils import get_balanced_memory, infer_auto_device_map, set_module_tensor_to_device
 
-from flexicache import FlexiCache
+from flexicache import FlexiCache, disable_step_graphs, warm_up
 from flexicache.parallel import kv_bytes_by_device
 
 SHAPES: dict[str, dict] = {
@@ -64,6 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpu-layers", choices=["offload", "run"], default="offload",
                         help="layers placed on the CPU: offload = their weights stream to the GPU and they run there "
                              "(accelerate's default); run = they compute on the CPU (their KV in CPU memory)")
+    parser.add_argument("--warm-up", action="store_true",
+                        help="before timing: one short DynamicCache generate and flexicache.warm_up at this context "
+                             "and batch, so kernel compiles (FlashInfer, Triton) stay out of the decode timings")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--strict", action="store_true",
@@ -218,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
                      "budget": args.budget, "cpu_layers": args.cpu_layers,
                      "device_map": {name: str(device) for name, device in device_map.items()}}
 
+    if args.warm_up:
+        run(model, ids[:, :128], transformers.DynamicCache(config=model.config), 4)
+        warm_up(model, context=args.context, batch_size=args.batch, token_budget=args.budget)
+        disable_step_graphs(model)  # DynamicCache runs on the model as it was; from_model below prepares it again
     reset_peaks()
     dense_cache = transformers.DynamicCache(config=model.config)
     dense_tokens, dense_timer = run(model, ids, dense_cache, args.new_tokens)
