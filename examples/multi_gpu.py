@@ -34,6 +34,7 @@ import transformers
 from accelerate.utils import get_balanced_memory, infer_auto_device_map, set_module_tensor_to_device
 
 from flexicache import FlexiCache, disable_step_graphs, warm_up
+from flexicache.models import cache_keyword, input_device
 from flexicache.parallel import kv_bytes_by_device
 
 SHAPES: dict[str, dict] = {
@@ -129,16 +130,6 @@ def random_model(config: transformers.LlamaConfig, dtype: torch.dtype, args: arg
     return model, device_map
 
 
-def input_device(model: torch.nn.Module) -> torch.device:
-    """Where the input embeddings run: their accelerate hook's execution device, else their weight's device."""
-    embeddings = model.get_input_embeddings()
-    hook = getattr(embeddings, "_hf_hook", None)
-    if getattr(hook, "execution_device", None) is not None:
-        device = hook.execution_device
-        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    return embeddings.weight.device
-
-
 class StepTimer(transformers.LogitsProcessor):
     """Records when each generated token's logits are ready (after a device sync): the decode steps' wall times."""
 
@@ -164,19 +155,13 @@ class StepTimer(transformers.LogitsProcessor):
         return {"p50": steps[len(steps) // 2], "max": steps[-1]}
 
 
-def cache_keyword() -> str:
-    """``generate``'s name for the cache: ``cache`` from transformers 5.24, ``past_key_values`` before."""
-    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
-    return "cache" if (major, minor) >= (5, 24) else "past_key_values"
-
-
 def run(model: torch.nn.Module, ids: torch.Tensor, cache, new_tokens: int) -> tuple[torch.Tensor, StepTimer]:
     """Greedy generation: ``(new tokens [B, new_tokens], the decode steps' timer)``."""
     timer = StepTimer()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                              num_beams=1, logits_processor=transformers.LogitsProcessorList([timer]),
-                             **{cache_keyword(): cache})
+                             **{cache_keyword(model): cache})
     return out[:, ids.shape[1]:].cpu(), timer
 
 

@@ -58,8 +58,8 @@ def test_flashinfer_backend_on_cpu_is_refused():
 
 
 @pytest.mark.parametrize(("dtype", "head_dim", "reason"), [
-    (torch.float32, 128, "float16/bfloat16 KV, the model runs in torch.float32"),
-    (torch.float64, 64, "float16/bfloat16 KV, the model runs in torch.float64"),
+    (torch.float32, 128, "float16/bfloat16 KV, this KV is torch.float32"),
+    (torch.float64, 64, "float16/bfloat16 KV, this KV is torch.float64"),
     (torch.bfloat16, 16, "head dims .*the model's is 16"),
 ])
 def test_kv_flashinfer_cannot_decode_gets_the_reference_backend(dtype, head_dim, reason):
@@ -72,6 +72,32 @@ def test_kv_flashinfer_cannot_decode_gets_the_reference_backend(dtype, head_dim,
         assert isinstance(resolve_backend("auto", cuda, dtype, head_dim), ReferenceBackend)
     with pytest.raises(ValueError, match=f"backend='flashinfer': FlashInfer decodes {reason}.*'auto' or 'reference'"):
         resolve_backend("flashinfer", cuda, dtype, head_dim)
+
+
+def test_a_layer_flashinfer_cannot_decode_gets_its_own_fallback():
+    """Layers share their device's backend; a later layer whose KV the shared FlashInfer backend cannot decode gets
+    the torch kernel (warned) or, with backend="flashinfer", an error, and the shared entry stays."""
+    from flexicache.backends import ReferenceBackend
+    from flexicache.cache import layer_backend
+
+    cuda = torch.device("cuda", 0)
+    shared = object()  # stands for the FlashInfer backend that the device's first (bf16, head dim 128) layer got
+    backends = {cuda: shared}
+    assert layer_backend(backends, "auto", cuda, torch.bfloat16, 128) is shared
+    with pytest.warns(UserWarning, match="this KV is torch.float32"):
+        assert isinstance(layer_backend(backends, "auto", cuda, torch.float32, 128), ReferenceBackend)
+    with pytest.raises(ValueError, match="backend='flashinfer': .*the model's is 96"):
+        layer_backend(backends, "flashinfer", cuda, torch.bfloat16, 96)
+    assert backends == {cuda: shared}
+
+
+def test_flashinfer_backend_refuses_a_head_dim_it_has_no_kernel_for(monkeypatch):
+    """Known from the config, so refused at construction rather than inside the first generate."""
+    from flexicache.backends import flashinfer
+
+    monkeypatch.setattr(flashinfer, "flashinfer_available", lambda: True)
+    with pytest.raises(ValueError, match=r"head dims \(64, 128, 256\), this model's is 8.*'auto' or 'reference'"):
+        FlexiCache(tiny_config(num_layers=1, head_dim=8), token_budget=32, page_size=8, backend="flashinfer")
 
 
 @pytest.mark.parametrize("shape", [(4, 2, 8), (3, 4, 8), (3, 2, 16)])

@@ -227,21 +227,26 @@ def test_whole_step_graphs_match_eager_generation() -> None:
         assert graphed_stats[name] == eager_stats[name], name
 
 
-def compiled_triton_variants() -> int:
-    """Compiled variants of every FlexiCache Triton kernel, over all devices."""
+def triton_kernels() -> list:
     from flexicache.backends import triton_rerank, triton_select, triton_transfer
 
-    kernels = [triton_rerank._rerank_kernel, triton_select._score_pages_kernel, triton_select._decode_table_kernel,
-               triton_select._append_token_kernel, triton_transfer._copy_pages_kernel,
-               triton_transfer._retire_tails_kernel, triton_transfer._open_pages_kernel,
-               triton_transfer._write_tokens_kernel]
-    return sum(len(caches[0]) for kernel in kernels for caches in list(kernel.device_caches.values()))
+    return [triton_rerank._rerank_kernel, triton_select._score_pages_kernel, triton_select._decode_table_kernel,
+            triton_select._append_token_kernel, triton_transfer._copy_pages_kernel,
+            triton_transfer._retire_tails_kernel, triton_transfer._open_pages_kernel,
+            triton_transfer._write_tokens_kernel]
+
+
+def compiled_triton_variants() -> int:
+    """Compiled variants of every FlexiCache Triton kernel in this process, over all devices."""
+    return sum(len(caches[0]) for kernel in triton_kernels() for caches in list(kernel.device_caches.values()))
 
 
 def test_other_sizes_compile_no_new_kernel_variants() -> None:
     """A generation with another batch (1: Triton's own value class), context and profile (other row counts, bases
     and capacities) compiles no Triton kernel the first generation did not: integer arguments are not specialized,
     so a decode step never stops for a compile (~0.5-0.9 s each, seen mid-generation on the H200)."""
+    for kernel in triton_kernels():  # forget what earlier tests compiled (Triton's disk cache makes this cheap)
+        kernel.device_caches.clear()
     model = tiny_model(4)
     runs = [((3, 500), [(0, 0), (2, 1), (3, 0)]), ((1, 630), [(1, 0), (2, 0), (3, 1)])]
     counts = []
@@ -253,8 +258,7 @@ def test_other_sizes_compile_no_new_kernel_variants() -> None:
         with torch.inference_mode():
             model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=40,
                            do_sample=False)
-        stats = cache.stats()
-        assert stats["reranks_stable"] > 0 and stats["promoted_pages"] > 0, stats
+        assert cache.stats()["promoted_pages"] > 0  # the decode reranked stable heads and copied pages in
         counts.append(compiled_triton_variants())
     assert counts[0] > 0 and counts[1] == counts[0], counts
 
@@ -279,12 +283,17 @@ def test_collecting_an_old_cache_does_not_break_the_next_capture(monkeypatch: py
     profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim, unstable_heads=[(0, 0), (2, 1)])
     ids = torch.randint(0, 512, (2, 400), device="cuda")
     sequences = []
-    for _ in range(2):
-        cache = FlexiCache.from_model(model, profile=profile, token_budget=128, backend="flashinfer")
-        with torch.inference_mode():
-            sequences.append(model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                                            max_new_tokens=40, do_sample=False))
-        assert cache.stats()["step_graph_replays"] > 0
-        cache.cycle = cache  # only the collector frees it now
-        cache = None
+    thresholds = gc.get_threshold()
+    gc.set_threshold(0)  # no automatic collection: it could free the old cache harmlessly between recordings
+    try:
+        for _ in range(2):
+            cache = FlexiCache.from_model(model, profile=profile, token_budget=128, backend="flashinfer")
+            with torch.inference_mode():
+                sequences.append(model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                                max_new_tokens=40, do_sample=False))
+            assert cache.stats()["step_graph_replays"] > 0
+            cache.cycle = cache  # only the collector frees it now
+            cache = None
+    finally:
+        gc.set_threshold(*thresholds)
     assert torch.equal(sequences[0], sequences[1])

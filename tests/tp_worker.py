@@ -3,10 +3,11 @@
 Run as ``torchrun --standalone --nproc-per-node N tests/tp_worker.py MODEL_DIR OUT_DIR`` (``MODEL_DIR``: a saved
 model; CPU: gloo, with N GPUs: NCCL, one GPU per rank). Every rank loads the model with ``tp_plan="auto"``, builds
 its caches through :func:`flexicache.parallel.local_view` with the full model's profile from ``OUT_DIR/profile.json``
-and writes ``OUT_DIR/rank{r}.json``: the generated tokens (``[B, L + new]`` lists), the heads its caches hold and the
-largest logit difference from DynamicCache at a budget covering the context (with the default backend and with the
-torch reference kernel). A last run builds the small-budget
-cache with ``FlexiCache.from_model`` (on a GPU: whole-step CUDA graphs, which then record the TP all-reduces too).
+and writes ``OUT_DIR/rank{r}.json``: for every run the generated tokens (``[B, L + new]`` lists), the heads its
+caches hold and the largest and relative logit differences from DynamicCache up to the first differing token (at a
+budget covering the context with the default backend and with the torch reference kernel, and at a small budget). A
+last run builds the small-budget cache with ``FlexiCache.from_model`` (on a GPU: whole-step CUDA graphs, which then
+record the TP all-reduces too).
 """
 
 from __future__ import annotations

@@ -18,7 +18,16 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from flexicache import attention, parallel
-from flexicache.backends import DecodeBackend, DecodeLayout, build_decode_layout, resolve_backend, triton_available
+from flexicache.backends import (
+    FLASHINFER_HEAD_DIMS,
+    DecodeBackend,
+    DecodeLayout,
+    ReferenceBackend,
+    build_decode_layout,
+    flashinfer_unsupported,
+    resolve_backend,
+    triton_available,
+)
 from flexicache.config import FlexiCacheConfig
 from flexicache.decode_graph import DecodeGraph, StepInputs
 from flexicache.offload import OffloadedPages, TransferCounters
@@ -30,6 +39,20 @@ from flexicache.step_graph import StepGraphStore, enable_step_graphs
 
 if TYPE_CHECKING:
     from flexicache.backends.triton_select import TableInputs
+
+
+def layer_backend(backends: dict[torch.device, DecodeBackend], name: str, device: torch.device, dtype: torch.dtype,
+                  head_dim: int) -> DecodeBackend:
+    """The decode backend of a layer with KV of ``dtype`` and ``head_dim`` on ``device``: the one ``backends`` holds
+    for the device (resolved by its first layer and shared, so the plan is made once per step), unless that one is
+    FlashInfer and cannot decode this layer's KV (a model whose layers differ): then this layer's own fallback."""
+    backend = backends.get(device)
+    if backend is None:
+        backend = backends[device] = resolve_backend(name, device, dtype, head_dim)
+    elif (device.type == "cuda" and not isinstance(backend, ReferenceBackend)
+          and flashinfer_unsupported(dtype, head_dim) is not None):
+        backend = resolve_backend(name, device, dtype, head_dim)
+    return backend
 
 
 class FlexiLayer(CacheLayerMixin):
@@ -77,9 +100,7 @@ class FlexiLayer(CacheLayerMixin):
             )
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch_size, self.head_dim = batch_size, head_dim
-        if self.device not in self.backends:  # a model's layers share the dtype and head dim
-            self.backends[self.device] = resolve_backend(self.settings.backend, self.device, self.dtype, head_dim)
-        self.backend = self.backends[self.device]
+        self.backend = layer_backend(self.backends, self.settings.backend, self.device, self.dtype, head_dim)
         page_size = self.settings.page_size
         self.pool = PagePool(page_size, head_dim, self.dtype, self.device)
         self.unstable_index = torch.tensor(self.unstable_heads, dtype=torch.long, device=self.device)
@@ -94,7 +115,8 @@ class FlexiLayer(CacheLayerMixin):
             self.offloaded = OffloadedPages(self.pool, batch_size, len(self.stable_heads),
                                             self.settings.pages_per_head, page_size)
             self.write_slots[:, self.stable_index] = self.offloaded.tail_slots()
-        self.fused_table = self.device.type == "cuda" and triton_available()
+        # The Triton kernels hold a head in one power-of-two block (tl.arange); other head dims use torch ops.
+        self.fused_table = self.device.type == "cuda" and triton_available() and head_dim & (head_dim - 1) == 0
         self.graph: DecodeGraph | None = None  # built at the first decode step on the CUDA + FlashInfer path
         self._launch: tuple | None = None  # (what it reads, launch, storage key) of the last _graph_step
         self.is_initialized = True
@@ -599,6 +621,10 @@ class FlexiCache(DynamicCache):
             if not flashinfer_available():
                 raise ImportError("backend='flashinfer' needs FlashInfer: pip install 'flexicache[cuda]', "
                                   "or use backend='auto'.")
+            head_dim = model_shape(config)[2]
+            if head_dim not in FLASHINFER_HEAD_DIMS:
+                raise ValueError(f"backend='flashinfer': FlashInfer decodes head dims {FLASHINFER_HEAD_DIMS}, this "
+                                 f"model's is {head_dim}. Use backend='auto' or 'reference' (torch).")
         if profile is None:
             profile = HeadProfile.default(config)
         elif not isinstance(profile, HeadProfile):

@@ -102,6 +102,7 @@ def capture(launch: Callable[[], None], device: torch.device, pool: tuple | None
     stream.wait_stream(current)
     # A garbage collection inside the capture could destroy an earlier cache's graphs or release its pinned
     # buffers: CUDA calls that invalidate the capture (seen on the H200 when a second cache recorded its graphs).
+    # This stops the cycle collector only; what ``launch`` frees by reference count must not touch CUDA state.
     collecting = gc.isenabled()
     gc.disable()
     try:

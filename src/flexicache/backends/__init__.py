@@ -10,8 +10,8 @@ import torch
 from flexicache.backends.base import DecodeBackend, DecodeLayout, build_decode_layout
 from flexicache.backends.reference import ReferenceBackend
 
-__all__ = ["DecodeBackend", "DecodeLayout", "ReferenceBackend", "build_decode_layout", "resolve_backend",
-           "triton_available"]
+__all__ = ["DecodeBackend", "DecodeLayout", "ReferenceBackend", "build_decode_layout", "flashinfer_unsupported",
+           "resolve_backend", "triton_available"]
 
 
 def triton_available() -> bool:
@@ -30,7 +30,7 @@ FLASHINFER_HEAD_DIMS = (64, 128, 256)
 def flashinfer_unsupported(dtype: torch.dtype, head_dim: int) -> str | None:
     """Why FlashInfer's decode kernels cannot serve KV of this dtype and head dim, or ``None``."""
     if dtype not in FLASHINFER_DTYPES:
-        return f"FlashInfer decodes float16/bfloat16 KV, the model runs in {dtype}"
+        return f"FlashInfer decodes float16/bfloat16 KV, this KV is {dtype}"
     if head_dim not in FLASHINFER_HEAD_DIMS:
         return f"FlashInfer decodes head dims {FLASHINFER_HEAD_DIMS}, the model's is {head_dim}"
     return None
