@@ -101,3 +101,29 @@ def test_half_precision_runs_and_stores_in_model_dtype(dtype):
     assert out.shape == (1, 70) and all(bool(torch.isfinite(step).all()) for step in logits)
     keys, _ = cache.layers[1].read_logical()
     assert keys.dtype == dtype and cache.layers[1].pool.k.dtype == dtype
+
+
+def test_chunked_prefill_matches_one_prefill():
+    """``generate(prefill_chunk_size=...)`` (transformers' chunked prefill: the prompt in multi-token chunks on a
+    non-empty cache, through left padding) gives the tokens of one prefill: DynamicCache's when the budget covers
+    the context, the unchunked FlexiCache's at a small budget (8-token pages, 3 per head)."""
+    config = tiny_config(group=2, num_kv_heads=2, num_layers=3)
+    model = tiny_model(config, seed=1)
+    ids, mask = left_pad([random_prompt(70, seed=1), random_prompt(55, seed=2)])
+
+    def generate(cache, **options) -> torch.Tensor:
+        return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, do_sample=False,
+                              **options)
+
+    for budget, reference in ((128, generate(dense_cache(model))), (24, None)):
+        settings = {"profile": mixed_profile(config), "token_budget": budget, "page_size": 8}
+        if reference is None:
+            reference = generate(FlexiCache.from_model(model, **settings))
+        cache = FlexiCache.from_model(model, **settings)
+        try:
+            chunked = generate(cache, prefill_chunk_size=16)
+        except (TypeError, ValueError) as error:  # a transformers without chunked prefill in generate
+            pytest.skip(f"this transformers has no generate(prefill_chunk_size=): {error}")
+        prefill_chunks = -(-ids.shape[1] // 16)
+        assert all(layer.num_chunks == prefill_chunks + cache.stats()["decode_steps"] for layer in cache.layers)
+        assert torch.equal(chunked, reference), budget
