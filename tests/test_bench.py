@@ -171,13 +171,31 @@ def test_mix_counts(bench):
         assert row["requests_per_s"] == pytest.approx(len(requests) / row["total_s"])
 
 
+def test_memory_batch_and_chunked_prefill(bench, tmp_path):
+    """``--memory-batch`` scales the KV with the batch; ``--prefill-chunk`` reaches generate (its rows and notes
+    record it; tests/test_cache_equivalence.py checks that chunked prefill runs in chunks and keeps the tokens)."""
+    results, _ = bench
+    out = tmp_path / "chunked"
+    assert main(["bench", "--device", "cpu", "--cases", "memory", "--memory-contexts", "512", "--memory-systems",
+                 "dynamic", "flexicache-64", "--memory-batch", "2", "--prefill-chunk", "128", "--out", str(out)]) == 0
+    chunked = json.loads((out / "bench.json").read_text())
+    memory = rows(chunked, "memory")
+    assert {(row["batch"], row["prefill_chunk"]) for row in memory} == {(2, 128)}
+    single = find(rows(results, "memory"), system="dynamic", context=512)
+    assert find(memory, system="dynamic", context=512)["dense_kv_bytes"] == 2 * single["dense_kv_bytes"]
+    flexi = find(memory, system="flexicache-64", context=512)
+    assert flexi["device_kv_bytes"] < flexi["dense_kv_bytes"]
+    assert "Batch 2, real prefill (chunks of 128 tokens)" in chunked["cases"]["memory"]["notes"][0]
+
+
 def test_targets_and_rerender(bench, tmp_path):
     results, out = bench
     entries = targets(results)
-    assert len(entries) == 8
+    assert len(entries) == 9
     assert {entry["status"] for entry in entries} <= set(STATUSES)
     assert entries[1]["status"] == "pending"  # the dense FlashInfer comparison needs CUDA
     assert all(entry["status"] != "pending" for i, entry in enumerate(entries) if i != 1)
+    assert entries[8]["target"].startswith("peak device memory") and entries[8]["status"] == "not measured"
     assert main(["bench", "--report-from", str(out / "bench.json"), "--out", str(tmp_path)]) == 0
     stated = ("Report (every derived number, table and plot) rendered from its `bench.json` by: `python -m "
               f"flexicache.cli bench --report-from {out / 'bench.json'} --out {tmp_path}`\n\n")

@@ -41,6 +41,9 @@ OPTIONS: dict[str, tuple[type, str | None, str]] = {
     "memory_contexts": (int, "+", "memory: context lengths"),
     "memory_systems": (str, "+", "memory: systems (dynamic, dynamic-offload, dense, flexicache-B, quest-B)"),
     "memory_steps": (int, None, "memory: decode steps after the prefill"),
+    "memory_batch": (int, None, "memory: batch size"),
+    "prefill_chunk": (int, None, ("memory: prefill the prompt in chunks of this many tokens (generate's "
+                                  "prefill_chunk_size; 0: one forward)")),
     "decode_contexts": (int, "+", "decode: context lengths"),
     "decode_batches": (int, "+", "decode: batch sizes"),
     "decode_systems": (str, "+", "decode: systems"),

@@ -93,17 +93,20 @@ class StepClock(StoppingCriteria):
 
 
 def timed_generate(model: Any, cache: Cache, ids: torch.Tensor, new_tokens: int,
-                   attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+                   attention_mask: torch.Tensor | None = None, prefill_chunk: int = 0
+                   ) -> tuple[torch.Tensor, list[float]]:
     """Greedy ``generate`` of ``new_tokens`` tokens with ``past_key_values=cache``: ``(sequences, ms per step)``.
 
-    The first step includes ``generate``'s set-up (and the prefill when the cache holds less than ``ids``).
+    The first step includes ``generate``'s set-up (and the prefill when the cache holds less than ``ids``);
+    ``prefill_chunk`` > 0 prefills in chunks of that many tokens (``prefill_chunk_size``).
     """
     clock = StepClock(ids.device)
     mask = torch.ones_like(ids) if attention_mask is None else attention_mask
+    chunking = {"prefill_chunk_size": prefill_chunk} if prefill_chunk else {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
         sequences = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
-                                   do_sample=False, stopping_criteria=StoppingCriteriaList([clock]))
+                                   do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), **chunking)
     return sequences, clock.step_ms()
 
 

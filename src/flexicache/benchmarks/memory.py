@@ -1,6 +1,7 @@
-"""Memory case: device KV bytes and peak device memory vs context length, batch 1, per system.
+"""Memory case: device KV bytes and peak device memory vs context length, per system (``--memory-batch``, 1 by
+default; ``--prefill-chunk`` prefills in chunks, as ``generate(prefill_chunk_size=...)`` does).
 
-Each measurement runs a real ``generate``: the prefill of a random prompt of ``context`` tokens, then
+Each measurement runs a real ``generate``: the prefill of random prompts of ``context`` tokens, then
 ``--memory-steps`` decode steps (enough to open new pages and grow FlexiCache's pools). Bytes come from the cache
 (``FlexiCache.stats()`` names); on CUDA the allocator's peak during generate is recorded too. ``full_depth``
 scales everything per layer to the full model: KV bytes exactly, the peak as
@@ -30,11 +31,12 @@ def measure(suite: Suite, model: Any, system: System, context: int, full: int) -
     s = suite.settings
     model.set_attn_implementation(system.attn_implementation)
     cache = system.make_cache(model.config, context + s.memory_steps + 1, s)
-    ids = random_ids(1, context, model.config.vocab_size, suite.device, s.seed)
+    ids = random_ids(s.memory_batch, context, model.config.vocab_size, suite.device, s.seed)
     reset_peak(suite.device)
     base = allocated(suite.device)
-    _, step_ms = timed_generate(model, cache, ids, s.memory_steps)
-    row: dict[str, Any] = {"layers": s.layers, "prefill_ms": step_ms[0], **cache_bytes(cache, suite.device)}
+    _, step_ms = timed_generate(model, cache, ids, s.memory_steps, prefill_chunk=s.prefill_chunk)
+    row: dict[str, Any] = {"layers": s.layers, "prefill_chunk": s.prefill_chunk, "prefill_ms": step_ms[0],
+                           **cache_bytes(cache, suite.device)}
     on_device = row["device_kv_bytes"] + row["device_metadata_bytes"]
     row["device_fraction_of_dense"] = on_device / row["dense_kv_bytes"]
     scale = full / s.layers
@@ -68,19 +70,24 @@ def offload_full_depth(row: dict[str, Any]) -> dict[str, Any]:
     return full
 
 
+def prefill_text(prefill_chunk: int) -> str:
+    return f"chunks of {prefill_chunk} tokens" if prefill_chunk else "one forward"
+
+
 def run(suite: Suite, model_name: str, result: CaseResult) -> None:
     s = suite.settings
     full = full_layers(model_name)
     if not result.notes:
         result.notes.append(
-            f"Batch 1, real prefill + {s.memory_steps} decode steps on a {s.layers}-layer model; `full_depth` scales "
+            f"Batch {s.memory_batch}, real prefill ({prefill_text(s.prefill_chunk)}) + {s.memory_steps} decode steps "
+            f"on a {s.layers}-layer model; `full_depth` scales "
             f"to {full} layers (KV exactly, peak as an estimate). Device bytes of FlexiCache = pages in use "
             "(`device_kv_bytes`) + page min/max (`device_metadata_bytes`); `device_reserved_bytes` includes pool "
             "capacity not yet used.")
     model = suite.model(model_name)
     for context in s.memory_contexts:
         for system in systems(s.memory_systems):
-            label = {"model": model_name, "system": system.name, "context": context, "batch": 1}
+            label = {"model": model_name, "system": system.name, "context": context, "batch": s.memory_batch}
             if system.kind == "dynamic-offload" and suite.device.type != "cuda":
                 result.skipped.append(dict(label, reason="DynamicCache(offloading=True) needs CUDA"))
                 continue

@@ -150,6 +150,8 @@ class Settings:
     memory_contexts: list[int] = field(default_factory=list)
     memory_systems: list[str] = field(default_factory=list)
     memory_steps: int = 20
+    memory_batch: int = 1
+    prefill_chunk: int = 0  # generate's prefill_chunk_size in the memory case; 0: the prompt in one forward
     # decode
     decode_contexts: list[int] = field(default_factory=list)
     decode_batches: list[int] = field(default_factory=list)
