@@ -60,7 +60,7 @@ def test_flashinfer_backend_on_cpu_is_refused():
 @pytest.mark.parametrize(("dtype", "head_dim", "reason"), [
     (torch.float32, 128, "float16/bfloat16 KV, this KV is torch.float32"),
     (torch.float64, 64, "float16/bfloat16 KV, this KV is torch.float64"),
-    (torch.bfloat16, 16, "head dims .*the model's is 16"),
+    (torch.bfloat16, 16, "head dims .*this model's is 16"),
 ])
 def test_kv_flashinfer_cannot_decode_gets_the_reference_backend(dtype, head_dim, reason):
     """On CUDA, "auto" falls back to the torch kernel (with a warning) for KV FlashInfer has no kernel for, and an
@@ -86,7 +86,7 @@ def test_a_layer_flashinfer_cannot_decode_gets_its_own_fallback():
     assert layer_backend(backends, "auto", cuda, torch.bfloat16, 128) is shared
     with pytest.warns(UserWarning, match="this KV is torch.float32"):
         assert isinstance(layer_backend(backends, "auto", cuda, torch.float32, 128), ReferenceBackend)
-    with pytest.raises(ValueError, match="backend='flashinfer': .*the model's is 96"):
+    with pytest.raises(ValueError, match="backend='flashinfer': .*this model's is 96"):
         layer_backend(backends, "flashinfer", cuda, torch.bfloat16, 96)
     assert backends == {cuda: shared}
 

@@ -19,12 +19,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 from flexicache import attention, parallel
 from flexicache.backends import (
-    FLASHINFER_HEAD_DIMS,
     DecodeBackend,
     DecodeLayout,
     ReferenceBackend,
     build_decode_layout,
     flashinfer_unsupported,
+    require_flashinfer_support,
     resolve_backend,
     triton_available,
 )
@@ -621,10 +621,7 @@ class FlexiCache(DynamicCache):
             if not flashinfer_available():
                 raise ImportError("backend='flashinfer' needs FlashInfer: pip install 'flexicache[cuda]', "
                                   "or use backend='auto'.")
-            head_dim = model_shape(config)[2]
-            if head_dim not in FLASHINFER_HEAD_DIMS:
-                raise ValueError(f"backend='flashinfer': FlashInfer decodes head dims {FLASHINFER_HEAD_DIMS}, this "
-                                 f"model's is {head_dim}. Use backend='auto' or 'reference' (torch).")
+            require_flashinfer_support(None, model_shape(config)[2])  # the KV dtype is known at the first forward
         if profile is None:
             profile = HeadProfile.default(config)
         elif not isinstance(profile, HeadProfile):

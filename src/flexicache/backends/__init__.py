@@ -11,7 +11,7 @@ from flexicache.backends.base import DecodeBackend, DecodeLayout, build_decode_l
 from flexicache.backends.reference import ReferenceBackend
 
 __all__ = ["DecodeBackend", "DecodeLayout", "ReferenceBackend", "build_decode_layout", "flashinfer_unsupported",
-           "resolve_backend", "triton_available"]
+           "require_flashinfer_support", "resolve_backend", "triton_available"]
 
 
 def triton_available() -> bool:
@@ -27,13 +27,21 @@ FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
-def flashinfer_unsupported(dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why FlashInfer's decode kernels cannot serve KV of this dtype and head dim, or ``None``."""
-    if dtype not in FLASHINFER_DTYPES:
+def flashinfer_unsupported(dtype: torch.dtype | None, head_dim: int) -> str | None:
+    """Why FlashInfer's decode kernels cannot serve KV of this dtype and head dim, or ``None`` (``dtype=None``: not
+    known yet, only the head dim is checked)."""
+    if dtype is not None and dtype not in FLASHINFER_DTYPES:
         return f"FlashInfer decodes float16/bfloat16 KV, this KV is {dtype}"
     if head_dim not in FLASHINFER_HEAD_DIMS:
-        return f"FlashInfer decodes head dims {FLASHINFER_HEAD_DIMS}, the model's is {head_dim}"
+        return f"FlashInfer decodes head dims {FLASHINFER_HEAD_DIMS}, this model's is {head_dim}"
     return None
+
+
+def require_flashinfer_support(dtype: torch.dtype | None, head_dim: int) -> None:
+    """Refuse ``backend="flashinfer"`` for KV that FlashInfer cannot decode, saying what to change."""
+    unsupported = flashinfer_unsupported(dtype, head_dim)
+    if unsupported is not None:
+        raise ValueError(f"backend='flashinfer': {unsupported}. Use backend='auto' or 'reference' (torch).")
 
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> DecodeBackend:
@@ -43,10 +51,10 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, head_di
         return ReferenceBackend()
     if device.type != "cuda":
         raise ValueError(f"backend='flashinfer' needs a CUDA device, the cache is on {device}; use 'reference'.")
+    if name == "flashinfer":
+        require_flashinfer_support(dtype, head_dim)
     unsupported = flashinfer_unsupported(dtype, head_dim)
     if unsupported is not None:
-        if name == "flashinfer":
-            raise ValueError(f"backend='flashinfer': {unsupported}. Use backend='auto' or 'reference' (torch).")
         warnings.warn(f"{unsupported}: FlexiCache decodes with the torch reference backend (slower).", stacklevel=3)
         return ReferenceBackend()
     from flexicache.backends.flashinfer import flashinfer_available
