@@ -297,3 +297,61 @@ def test_collecting_an_old_cache_does_not_break_the_next_capture(monkeypatch: py
     finally:
         gc.set_threshold(*thresholds)
     assert torch.equal(sequences[0], sequences[1])
+
+
+@pytest.mark.parametrize("step_graphs", [True, False], ids=["step-graphs", "layer-by-layer"])
+def test_warm_up_compiles_every_kernel_the_generation_needs(step_graphs: bool) -> None:
+    """After ``warm_up(model, context, batch)`` a generation of that context and batch (more new tokens than the
+    warm-up's, through reranks, promotions, page boundaries and retirements) compiles no Triton kernel variant."""
+    from flexicache import warm_up
+
+    for kernel in triton_kernels():
+        kernel.device_caches.clear()
+    model = tiny_model(4)
+    profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim, unstable_heads=[(1, 0), (3, 1)])
+    batch, context = 3, 700
+    warmed = warm_up(model, context, batch, profile=profile, token_budget=128, backend="flashinfer",
+                     cuda_graphs=step_graphs)
+    compiled = compiled_triton_variants()
+    assert compiled > 0 and warmed["promoted_pages"] > 0, warmed
+    cache = FlexiCache.from_model(model, profile=profile, token_budget=128, backend="flashinfer",
+                                  cuda_graphs=step_graphs)
+    ids = torch.randint(0, 512, (batch, context), device="cuda")
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=60,
+                       min_new_tokens=60, do_sample=False)
+    stats = cache.stats()
+    assert stats["promoted_pages"] > 0 and (stats["step_graph_replays"] > 0) == step_graphs, stats
+    assert compiled_triton_variants() == compiled
+
+
+def test_pinned_zeros_is_page_locked_exact_and_unregistered_when_freed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host tier's memory: zero-filled, exactly its bytes, page-locked (asynchronous copies and zero-copy kernels
+    work), and unregistered once the last view of it is gone."""
+    from flexicache.host_memory import pinned_zeros
+
+    cudart = torch.cuda.cudart()
+    unregistered = []
+
+    class Recorder:
+        def __getattr__(self, name):
+            return getattr(cudart, name)
+
+        def cudaHostUnregister(self, address):
+            unregistered.append(address)
+            return cudart.cudaHostUnregister(address)
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Recorder())
+    tensor = pinned_zeros((3, 5, 4096), torch.bfloat16)
+    assert tensor.is_pinned() and tensor.untyped_storage().nbytes() == 3 * 5 * 4096 * 2
+    assert not tensor.any()
+    source = torch.randn(3, 5, 4096, device="cuda").bfloat16()
+    tensor.copy_(source, non_blocking=True)
+    back = tensor.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, source)
+    view, address = tensor[1], tensor.data_ptr()
+    del tensor
+    assert unregistered == []  # a view still uses it
+    del view
+    assert unregistered == [address]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from flexicache.backends import triton_available
+from flexicache.host_memory import pinned_zeros
 from flexicache.paging import PagePool
 from flexicache.selection import select_pages
 from flexicache.sequence import AppendPlan, host_to_device, per_row
@@ -37,42 +38,34 @@ class TransferCounters:
     bytes_d2h: int = 0
 
 
-def empty_pinned_cache() -> None:
-    """Give torch's cached, unused pinned host blocks back to the system (the function's name depends on torch's
-    version; blocks still awaiting a copy stay)."""
-    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
-    if empty is not None:
-        empty()
-
-
 class HostTier:
-    """Full pages of ``h`` stable heads in host memory: ``k``/``v`` of shape ``[B, h, P, ps, D]`` (pinned on CUDA)."""
+    """Full pages of ``h`` stable heads in host memory: ``k``/``v`` of shape ``[B, h, P, ps, D]``.
+
+    ``pin_memory``: page-locked (:func:`~flexicache.host_memory.pinned_zeros`, for CUDA copies and zero-copy
+    kernels); the memory of a replaced tier goes back to the system as soon as nothing views it.
+    """
 
     def __init__(self, batch_size: int, num_heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
                  pin_memory: bool) -> None:
         self.pin_memory = pin_memory
-        self.k = self._empty((batch_size, num_heads, 0, page_size, head_dim), dtype)
-        self.v = self._empty((batch_size, num_heads, 0, page_size, head_dim), dtype)
+        self.k = self._zeros((batch_size, num_heads, 0, page_size, head_dim), dtype)
+        self.v = self._zeros((batch_size, num_heads, 0, page_size, head_dim), dtype)
 
-    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, pin_memory=self.pin_memory)
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return pinned_zeros(shape, dtype) if self.pin_memory else torch.zeros(shape, dtype=dtype)
 
     def reserve(self, num_pages: int) -> None:
         """Room for ``num_pages`` pages per row, plus a quarter (at least 64 pages) for the tokens to come: a prefill
-        reserves its decode headroom at once, so the first full page after it does not reallocate the whole tier.
-        The replaced pinned blocks go back to the system (torch's host allocator would keep them cached)."""
+        reserves its decode headroom at once, so the first full page after it does not reallocate the whole tier."""
         if num_pages <= self.k.shape[2]:
             return
         shape = list(self.k.shape)
         shape[2] = num_pages + max(64, num_pages // 4)
         for name in ("k", "v"):
             old = getattr(self, name)
-            grown = self._empty(tuple(shape), old.dtype)
+            grown = self._zeros(tuple(shape), old.dtype)
             grown[:, :, : old.shape[2]].copy_(old)
             setattr(self, name, grown)
-        if self.pin_memory:
-            del old, grown
-            empty_pinned_cache()
 
     @property
     def nbytes_reserved(self) -> int:
@@ -219,7 +212,7 @@ class OffloadedPages:
 
     def _reserve_host(self, num_pages: int) -> None:
         """Grow the host tier; on CUDA wait first for the kernels that may still read or write the old one."""
-        if num_pages > self.host.k.shape[2] and self.zero_copy:
+        if num_pages > self.host.k.shape[2] > 0 and self.zero_copy:
             torch.cuda.synchronize(self.pool.k.device)
         self.host.reserve(num_pages)
 

@@ -27,7 +27,6 @@ from transformers import Cache, DynamicCache, LlamaConfig, MistralConfig, Pretra
 
 from flexicache import FlexiCache, HeadProfile, attention
 from flexicache.benchmarks.attention import Shape, random_profile
-from flexicache.offload import empty_pinned_cache
 
 GIB = 2**30
 CASES = ("memory", "decode", "attention", "rerank", "throughput", "mix")
@@ -364,13 +363,21 @@ def compact(row: dict[str, Any]) -> dict[str, Any]:
             if not isinstance(value, (dict, list))}
 
 
+def empty_pinned_cache() -> None:
+    """Give torch's cached, unused pinned host blocks back to the system (the function's name depends on torch's
+    version; blocks still awaiting a copy stay)."""
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+
+
 def release(device: torch.device) -> None:
     """Drop a staged chunk an interrupted measurement left; on CUDA, free its reference cycles and cached blocks."""
     attention.clear_staged()
     if device.type == "cuda":  # gc.collect() costs ~0.4 s: only worth it when device memory is at stake
         gc.collect()
         torch.cuda.empty_cache()
-        empty_pinned_cache()  # the host tier is sized per measurement
+        empty_pinned_cache()  # e.g. DynamicCache(offloading=True)'s pinned blocks
 
 
 def run_suite(settings: Settings, out: Path, command: str = "") -> dict[str, Any]:

@@ -1,0 +1,66 @@
+"""Page-locked host memory for the host tier, registered with CUDA instead of allocated by it.
+
+``torch.zeros(..., pin_memory=True)`` goes through ``cudaHostAlloc``: on the H200 host that took 374 of the 431 ms a
+32k x batch 8 prefill spent per layer (BENCHMARKS.md, session 6), and torch's pinned allocator rounds every block up to
+a power of two. Here the memory is an anonymous mapping of exactly the bytes asked for (transparent huge pages
+requested, its pages faulted in by torch's parallel fill), page-locked and mapped into every device's address space
+with ``cudaHostRegister``: host-to-device copies and the zero-copy Triton kernels use it like any pinned tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import torch
+
+_REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+
+class _RegisteredMapping(mmap.mmap):
+    """An anonymous mapping page-locked for CUDA; unregistered just before it is unmapped.
+
+    Tensors from ``torch.frombuffer`` keep it alive (through their storage), so it goes only when no view of it is
+    left. Kernels that may still use it are waited for first (not inside a CUDA graph capture, where waiting is not
+    allowed: the host tier is never freed there).
+    """
+
+    address: int | None = None  # set once registered
+
+    def register(self) -> None:
+        address = torch.frombuffer(self, dtype=torch.uint8, count=1).data_ptr()
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, len(self), _REGISTER_PORTABLE_MAPPED))
+        self.address = address
+
+    def __del__(self) -> None:
+        if self.address is None:
+            return
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(self.address)
+
+
+def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled, page-locked host tensor of ``shape`` (exactly its bytes), usable by every CUDA device.
+
+    Raises:
+        RuntimeError: CUDA refused to page-lock the memory (e.g. the locked-memory limit); the message says so.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    mapping = _RegisteredMapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer pages to lock; ignored where huge pages are off
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+    tensor.zero_()  # faults the pages in on all of torch's threads: locking them then takes a fraction of the time
+    try:
+        mapping.register()
+    except RuntimeError as error:
+        raise RuntimeError(f"Could not page-lock {nbytes / 2**30:.2f} GiB of host memory for FlexiCache's host tier "
+                           f"({error}). Free host memory, raise the locked-memory limit (ulimit -l), or lower the "
+                           "batch size or context.") from error
+    return tensor.view(dtype).view(shape)
