@@ -133,11 +133,37 @@ def check_transfers() -> None:
         assert_same_transfer_outcome(results[True], results[False])
 
 
+def check_stable_scores() -> None:
+    """The stable rerank's one-launch scores equal the torch Quest bounds on every row's full pages (requests with no,
+    one and many full pages; max and sum over the group) and are -inf past them."""
+    from flexicache.backends.triton_select import stable_page_scores
+    from flexicache.selection import quest_page_scores
+
+    generator = torch.Generator().manual_seed(1)
+    batch, heads, group, capacity, head_dim, page_size, width = 3, 4, 3, 80, 16, 4, 70
+    kmin = torch.randn(batch, heads, capacity, head_dim, generator=generator)
+    kmax = kmin + torch.rand(batch, heads, capacity, head_dim, generator=generator)
+    stable = torch.tensor([0, 2, 3])
+    query = torch.randn(batch * len(stable), group, head_dim, generator=generator)
+    num_tokens = torch.tensor([3, 5, 4 * width + 1])  # 0, 1 and `width` full pages
+    full_pages = ((num_tokens - 1) // page_size).repeat_interleave(len(stable))
+    for reduce in ("max", "sum"):
+        got = stable_page_scores(query, kmin, kmax, num_tokens, stable, width, page_size, reduce)
+        want = quest_page_scores(query, kmin[:, stable, :width].flatten(0, 1), kmax[:, stable, :width].flatten(0, 1),
+                                 reduce)
+        inside = torch.arange(width) < full_pages[:, None]
+        assert torch.allclose(got[inside], want[inside], rtol=1e-5, atol=1e-5), reduce
+        assert bool((got[~inside] == float("-inf")).all()) and bool(inside.any()) and bool((~inside).any())
+
+
 def check_rerank() -> None:
     """The fused rerank leaves the selection, scores, device slots and promotion count the torch rerank leaves:
     rows with no, few (< K - 1) and many full pages, scores with ties everywhere (small integers, all zero), each
-    rerank starting from the selection the previous one left (tail retirements: check_transfers)."""
+    rerank starting from the selection the previous one left (tail retirements: check_transfers). Then
+    :func:`check_stable_scores`."""
     import copy
+
+    check_stable_scores()
 
     from flexicache.offload import OffloadedPages
     from flexicache.paging import PagePool

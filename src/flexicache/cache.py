@@ -263,8 +263,14 @@ class FlexiLayer(CacheLayerMixin):
         row, at least the longest row's full pages (columns beyond a row's full pages are ignored).
         """
         full_pages = (num_tokens - 1).clamp(min=0) // self.settings.page_size
-        kmin, kmax = self.meta.rows(self.stable_index, width)
-        scores = quest_page_scores(query, kmin, kmax, self.settings.group_reduce)
+        if self.fused_table:  # one kernel reading the min/max in place (the torch path gathers and upcasts them)
+            from flexicache.backends.triton_select import stable_page_scores
+
+            scores = stable_page_scores(query, self.meta.kmin, self.meta.kmax, num_tokens, self.stable_index, width,
+                                        self.settings.page_size, self.settings.group_reduce)
+        else:
+            kmin, kmax = self.meta.rows(self.stable_index, width)
+            scores = quest_page_scores(query, kmin, kmax, self.settings.group_reduce)
         self.offloaded.rerank(scores, per_row(full_pages, len(self.stable_heads)))
 
     def _start_decode_step(self, plan: AppendPlan, in_graph: bool = False) -> int:

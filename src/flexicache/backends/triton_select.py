@@ -69,18 +69,32 @@ def _row_of(pid, num_unstable_rows, num_unstable, num_stable, num_heads, unstabl
     return index, batch, batch * num_heads + head
 
 
-@triton.jit(do_not_specialize=["num_unstable", "num_heads", "meta_capacity", "scores_stride"])
-def _score_pages_kernel(query_ptr, kmin_ptr, kmax_ptr, num_tokens_ptr, unstable_heads_ptr, scores_ptr,
-                        num_unstable, num_heads, meta_capacity, scores_stride,
+@triton.jit(do_not_specialize=["num_listed", "num_heads", "meta_capacity", "scores_stride"])
+def _score_pages_kernel(query_ptr, kmin_ptr, kmax_ptr, num_tokens_ptr, heads_ptr, scores_ptr,
+                        num_listed, num_heads, meta_capacity, scores_stride,
                         K: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        BLOCK_P: tl.constexpr, REDUCE_SUM: tl.constexpr):
+                        BLOCK_P: tl.constexpr, REDUCE_SUM: tl.constexpr, STABLE_RERANK: tl.constexpr):
+    """Quest bounds of a block of pages of row (request ``b``, head ``heads[i]``), program ``(b * n + i, block)``.
+
+    Decode selection (``STABLE_RERANK`` off): every page, only rows over the budget ``K``, sink and tail +inf; the
+    query of row ``b * H + h``. Stable rerank (on): full pages only (the tail is no candidate), every row, nothing
+    forced; the query of row ``b * n + i`` (the listed heads' own queries).
+    """
     index = tl.program_id(0)
-    batch = index // num_unstable
-    row = batch * num_heads + tl.load(unstable_heads_ptr + index % num_unstable)
-    num_pages = (tl.load(num_tokens_ptr + batch).to(tl.int32) + PAGE_SIZE - 1) // PAGE_SIZE
+    batch = index // num_listed
+    row = batch * num_heads + tl.load(heads_ptr + index % num_listed)
+    num_tokens = tl.load(num_tokens_ptr + batch).to(tl.int32)
+    if STABLE_RERANK:
+        num_pages = tl.maximum(num_tokens - 1, 0) // PAGE_SIZE
+        query_row = index
+        scored = tl.program_id(1) * BLOCK_P < num_pages
+    else:
+        num_pages = (num_tokens + PAGE_SIZE - 1) // PAGE_SIZE
+        query_row = row
+        scored = (num_pages > K) & (tl.program_id(1) * BLOCK_P < num_pages)  # rows within the budget need none
     page = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     valid = page < num_pages
-    if (num_pages > K) & (tl.program_id(1) * BLOCK_P < num_pages):  # rows within the budget need no scores
+    if scored:
         dims = tl.arange(0, HEAD_DIM)
         offsets = (row.to(tl.int64) * meta_capacity + page[:, None]) * HEAD_DIM + dims[None, :]
         kmin = tl.load(kmin_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
@@ -90,13 +104,14 @@ def _score_pages_kernel(query_ptr, kmin_ptr, kmax_ptr, num_tokens_ptr, unstable_
         else:
             score = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
         for g in tl.static_range(GROUP):
-            q = tl.load(query_ptr + (row.to(tl.int64) * GROUP + g) * HEAD_DIM + dims).to(tl.float32)
+            q = tl.load(query_ptr + (query_row.to(tl.int64) * GROUP + g) * HEAD_DIM + dims).to(tl.float32)
             bound = tl.sum(tl.maximum(q[None, :] * kmax, q[None, :] * kmin), axis=1)
             if REDUCE_SUM:
                 score += bound
             else:
                 score = tl.maximum(score, bound)
-        score = tl.where((page == 0) | (page == num_pages - 1), float("inf"), score)
+        if not STABLE_RERANK:
+            score = tl.where((page == 0) | (page == num_pages - 1), float("inf"), score)
         tl.store(scores_ptr + index.to(tl.int64) * scores_stride + page, score, mask=valid)
 
 
@@ -204,6 +219,29 @@ def scores_buffer(inputs: TableInputs) -> torch.Tensor:
     return torch.empty(rows, max(inputs.kmin.shape[2], 1), dtype=torch.float32, device=inputs.query.device)
 
 
+def stable_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_tokens: torch.Tensor,
+                       heads: torch.Tensor, width: int, page_size: int, group_reduce: str) -> torch.Tensor:
+    """The stable heads' rerank scores (:func:`~flexicache.selection.quest_page_scores` of their full pages) in one
+    launch that reads the page min/max once, in place.
+
+    Args:
+        query: ``[B * hs, G, D]`` queries of the KV heads ``heads [hs]``; kmin/kmax: ``[B, H, P, D]`` page min/max;
+        num_tokens: ``[B]`` real tokens per request; width: columns to return (>= the longest row's full pages).
+
+    Returns:
+        ``[B * hs, width]`` fp32 scores; columns past a row's full pages are ``-inf``.
+    """
+    rows, group, head_dim = query.shape
+    scores = torch.full((rows, width), float("-inf"), dtype=torch.float32, device=query.device)
+    if rows and width:
+        _score_pages_kernel[(rows, triton.cdiv(width, SCORE_BLOCK))](
+            query.contiguous(), kmin, kmax, num_tokens, heads, scores, heads.numel(), kmin.shape[1], kmin.shape[2],
+            width, K=0, PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_P=SCORE_BLOCK,
+            REDUCE_SUM=group_reduce == "sum", STABLE_RERANK=True,
+        )
+    return scores
+
+
 def decode_table(inputs: TableInputs, scores: torch.Tensor, flat: torch.Tensor | None = None,
                  indptr: torch.Tensor | None = None, table_out: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> None:
@@ -222,6 +260,7 @@ def decode_table(inputs: TableInputs, scores: torch.Tensor, flat: torch.Tensor |
             inputs.query, inputs.kmin, inputs.kmax, inputs.num_tokens, inputs.unstable_heads, scores, num_unstable,
             rows // batch, capacity, scores.shape[1], K=inputs.pages_per_head, PAGE_SIZE=inputs.page_size,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_P=SCORE_BLOCK, REDUCE_SUM=inputs.group_reduce == "sum",
+            STABLE_RERANK=False,
         )
     block_scores = triton.next_power_of_2(max(capacity, 16))
     slots, lens = table_out if table_out is not None else (unused, unused)
