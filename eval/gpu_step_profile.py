@@ -1,0 +1,115 @@
+"""Where a whole-step-graph decode step of the attention layers spends its time, on a CUDA GPU.
+
+Builds FlexiCache over ``--layers`` Llama-3.1-8B-shaped attention layers (8 KV heads, group 4, head dim 128, random
+KV of ``--context`` tokens, batch ``--batch``, budget 1024, 25% unstable heads), runs decode steps as
+``flexicache.benchmarks.attention`` does with ``step_graph=True``, and prints: the step's wall time, its host-issue
+time, the time of ``begin_graphed_step`` (the cache's per-step bookkeeping) and of the replayed graph alone on the
+GPU; then a torch-profiler table of the kernels (``cuda_time_total``) and a cProfile of the host side.
+
+Usage: ``python eval/gpu_step_profile.py [--layers 16] [--context 32768] [--batch 8]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flexicache import FlexiCache, attention
+from flexicache.benchmarks.attention import Module, Shape, random_profile
+from flexicache.step_graph import run_graphed_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args()
+    shape, batch = Shape(num_layers=args.layers), args.batch
+    torch.manual_seed(0)
+    cache = FlexiCache(shape.config(), profile=random_profile(shape, 0.25), token_budget=1024)
+    query = torch.randn(batch, shape.num_kv_heads * shape.group, 1, shape.head_dim, dtype=torch.bfloat16,
+                        device="cuda")
+    for index in range(args.layers):  # prefill layer by layer, one layer's KV on the device at a time
+        keys = torch.randn(batch, shape.num_kv_heads, args.context, shape.head_dim, dtype=torch.bfloat16,
+                           device="cuda")
+        layer = cache.layers[index]
+        layer.update(keys, torch.randn_like(keys))
+        layer.commit(attention._take(index), query, None)
+        del keys
+    modules = [Module(index, shape) for index in range(args.layers)]
+    token = torch.randn(batch, shape.num_kv_heads, 1, shape.head_dim, dtype=torch.bfloat16, device="cuda")
+
+    def layers(inputs: dict[str, torch.Tensor]) -> None:
+        for module in modules:
+            keys, values = cache.layers[module.layer_idx].update(inputs["keys"], inputs["values"])
+            attention.flexicache_attention_forward(module, inputs["query"], keys, values, None, scaling=0.1)
+
+    def step() -> None:
+        inputs = {"keys": token, "values": token, "query": query}
+        if cache.graphed_step_ready():
+            run_graphed_step(cache, ("attention layers",), inputs, layers)
+        else:
+            layers(inputs)
+
+    for _ in range(40):
+        step()
+    torch.cuda.synchronize()
+    bookkeeping_ms: list[float] = []
+    begin = cache.begin_graphed_step
+
+    def timed_begin() -> tuple:
+        start = time.perf_counter()
+        result = begin()
+        bookkeeping_ms.append(1000 * (time.perf_counter() - start))
+        return result
+
+    cache.begin_graphed_step = timed_begin
+    host_ms, wall_ms = [], []
+    for _ in range(64):
+        start = time.perf_counter()
+        step()
+        issued = time.perf_counter()
+        torch.cuda.synchronize()
+        host_ms.append(1000 * (issued - start))
+        wall_ms.append(1000 * (time.perf_counter() - start))
+    cache.begin_graphed_step = begin
+    median = statistics.median
+    print(f"layers {args.layers}: step wall ms p50 {median(wall_ms):.3f}, host issue p50 {median(host_ms):.3f}, "
+          f"begin_graphed_step p50 {median(bookkeeping_ms):.3f} "
+          f"({1000 * median(bookkeeping_ms) / args.layers:.1f} us/layer)")
+    recorded = next(iter(cache.step_graphs.steps.values()))
+    start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start_event.record()
+    for _ in range(20):
+        recorded.graph.replay()
+    end_event.record()
+    torch.cuda.synchronize()
+    print(f"replay alone (GPU, one recorded step) ms {start_event.elapsed_time(end_event) / 20:.3f}")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as kernels:
+        for _ in range(16):
+            step()
+        torch.cuda.synchronize()
+    print(kernels.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(64):
+        step()
+    torch.cuda.synchronize()
+    host.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(host, stream=out)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(45)
+    print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
