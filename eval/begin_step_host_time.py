@@ -37,6 +37,7 @@ def graph_path_on_cpu() -> None:
                          (triton_transfer, "write_tokens"), (triton_transfer, "open_pages")):
         setattr(module, name, lambda *args, **kwargs: None)
     triton_rerank.rerank_rows = lambda *args, **kwargs: torch.zeros(1, dtype=torch.long)
+    triton_select.stable_page_scores = lambda query, *args: torch.zeros(query.shape[0], args[4])  # [rows, width]
     initialize = cache.FlexiLayer.lazy_initialization
 
     def lazy_initialization(self, keys, values):

@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flexicache import FlexiCache, attention
 from flexicache.benchmarks.attention import Shape, random_profile
+from flexicache.benchmarks.suite import empty_pinned_cache
 from flexicache.host_memory import pinned_zeros
 
 GIB = 2**30
@@ -41,7 +42,7 @@ def page_locking() -> None:
         memory, allocate_ms = timed(allocate)
         start = time.perf_counter()
         del memory
-        torch._C._host_emptyCache()  # torch's allocator would keep the pinned block cached
+        empty_pinned_cache()  # torch's allocator would keep the pinned block cached
         free_ms = 1000 * (time.perf_counter() - start)
         print(f"{name} 2 GiB: allocate {allocate_ms:.0f} ms, free {free_ms:.0f} ms")
     device = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")

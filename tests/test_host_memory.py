@@ -4,6 +4,8 @@ The real registration runs in tests/test_gpu_flashinfer.py."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -11,17 +13,22 @@ from flexicache.host_memory import pinned_zeros
 
 
 class FakeCudart:
+    """CUDA's registration calls and device synchronisations, recorded in order (``calls``)."""
+
     def __init__(self, register_result: int = 0) -> None:
         self.register_result = register_result
         self.registered: list[tuple[int, int, int]] = []
         self.unregistered: list[int] = []
+        self.calls: list[str] = []
 
     def cudaHostRegister(self, address: int, size: int, flags: int) -> int:
         self.registered.append((address, size, flags))
+        self.calls.append("register")
         return self.register_result
 
     def cudaHostUnregister(self, address: int) -> int:
         self.unregistered.append(address)
+        self.calls.append("unregister")
         return 0
 
 
@@ -36,7 +43,8 @@ def cudart(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setattr(torch.cuda, "check_error", check_error)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: fake.calls.append(f"synchronize {device}"))
     return fake
 
 
@@ -48,10 +56,31 @@ def test_pinned_zeros_registers_exactly_its_bytes_and_unregisters_after_the_last
     tensor[1, 2] = 7  # ordinary writable host memory
     view, address = tensor[1], tensor.data_ptr()
     del tensor
-    assert cudart.unregistered == []
+    gc.collect()
+    assert cudart.calls == ["register"]  # a view still uses it
     assert float(view[2].float().sum()) == 7 * 5 * 4 * 8
     del view
+    # every device's kernels that may still use it are waited for before the memory is unregistered and unmapped
+    assert cudart.calls == ["register", "synchronize 0", "synchronize 1", "unregister"]
     assert cudart.unregistered == [address]
+
+
+def test_no_wait_while_a_cuda_graph_is_being_captured(cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch) -> None:
+    tensor = pinned_zeros((16,), torch.float32)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    del tensor
+    assert cudart.calls == ["register", "unregister"]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_unregistered_even_when_waiting_fails(cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_synchronize(device=None) -> None:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    tensor = pinned_zeros((16,), torch.float32)
+    monkeypatch.setattr(torch.cuda, "synchronize", failing_synchronize)
+    del tensor  # the error is reported as unraisable (it happens in __del__); the memory is unregistered anyway
+    assert cudart.calls == ["register", "unregister"]
 
 
 def test_empty_tier_is_not_registered(cudart: FakeCudart) -> None:
@@ -63,5 +92,6 @@ def test_refused_registration_says_what_to_change(cudart: FakeCudart) -> None:
     cudart.register_result = 2  # cudaErrorMemoryAllocation
     with pytest.raises(RuntimeError, match=r"page-lock 0\.00 GiB .*ulimit -l.*batch size or context"):
         pinned_zeros((64, 64), torch.float32)
-    assert cudart.unregistered == []  # never registered: nothing to undo
+    gc.collect()
+    assert cudart.calls == ["register"]  # never registered: nothing to undo
 

@@ -91,6 +91,19 @@ def test_sequence_plan_left_padding():
         state.plan_chunk(5, None, 2, 1, torch.device("cpu"))
 
 
+@given(counts=st.lists(st.integers(0, 70), min_size=1, max_size=6), page_size=st.sampled_from([1, 4, 16]))
+def test_decode_plan_is_the_general_plan_of_one_token(counts: list[int], page_size: int) -> None:
+    """A decode step's shortcut plan lists the same writes and page openings as the general one, for any mix of
+    request lengths (left padding makes them differ), including requests at a page boundary and empty ones."""
+    state, before, cpu = SequenceState(page_size), torch.tensor(counts), torch.device("cpu")
+    fast = state._decode_plan(before, before.clone(), cpu)
+    general = state._chunk_plan(None, before, before.clone(), 1, cpu)
+    for name in ("batch", "chunk_pos", "page", "offset", "new_page_batch", "new_page_index", "before", "after",
+                 "before_host", "after_host"):
+        assert torch.equal(getattr(fast, name), getattr(general, name)), name
+    assert fast.is_single_token and general.is_single_token
+
+
 def test_resident_pages_and_metadata_unit():
     state = SequenceState(page_size=2)
     pool = PagePool(2, 3, torch.float64, torch.device("cpu"))
@@ -141,3 +154,27 @@ def test_host_tier_reserves_decode_headroom_and_keeps_pages():
     tier.reserve(400)
     assert tier.k.shape[2] == 500 and torch.equal(tier.k[:, :, :100], before)
     assert tier.nbytes_reserved == 2 * tier.k.numel() * 4
+
+
+def test_host_tier_growth_is_all_or_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the values' larger tier cannot be had (e.g. CUDA refuses to page-lock it), keys and values keep their old
+    size and contents: the kernels size both from the keys."""
+    from flexicache.offload import HostTier
+
+    tier = HostTier(batch_size=1, num_heads=2, page_size=4, head_dim=8, dtype=torch.float32, pin_memory=False)
+    tier.reserve(10)
+    tier.k.fill_(1.0)
+    tier.v.fill_(2.0)
+    allocate, calls = tier._zeros, []
+
+    def second_fails(shape, dtype):
+        calls.append(shape)
+        if len(calls) == 2:
+            raise RuntimeError("Could not page-lock 0.01 GiB of host memory")
+        return allocate(shape, dtype)
+
+    monkeypatch.setattr(tier, "_zeros", second_fails)
+    with pytest.raises(RuntimeError, match="page-lock"):
+        tier.reserve(200)
+    assert tier.k.shape == tier.v.shape == (1, 2, 74, 4, 8)
+    assert bool((tier.k == 1.0).all()) and bool((tier.v == 2.0).all())

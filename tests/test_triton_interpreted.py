@@ -140,12 +140,12 @@ def check_stable_scores() -> None:
     from flexicache.selection import quest_page_scores
 
     generator = torch.Generator().manual_seed(1)
-    batch, heads, group, capacity, head_dim, page_size, width = 3, 4, 3, 80, 16, 4, 70
+    batch, heads, group, capacity, head_dim, page_size, width = 5, 4, 3, 80, 16, 4, 70
     kmin = torch.randn(batch, heads, capacity, head_dim, generator=generator)
     kmax = kmin + torch.rand(batch, heads, capacity, head_dim, generator=generator)
     stable = torch.tensor([0, 2, 3])
     query = torch.randn(batch * len(stable), group, head_dim, generator=generator)
-    num_tokens = torch.tensor([3, 5, 4 * width + 1])  # 0, 1 and `width` full pages
+    num_tokens = torch.tensor([0, 3, 5, 8, 4 * width + 1])  # 0, 0, 1, 1 (a full tail is no candidate), width
     full_pages = ((num_tokens - 1) // page_size).repeat_interleave(len(stable))
     for reduce in ("max", "sum"):
         got = stable_page_scores(query, kmin, kmax, num_tokens, stable, width, page_size, reduce)
@@ -154,6 +154,8 @@ def check_stable_scores() -> None:
         inside = torch.arange(width) < full_pages[:, None]
         assert torch.allclose(got[inside], want[inside], rtol=1e-5, atol=1e-5), reduce
         assert bool((got[~inside] == float("-inf")).all()) and bool(inside.any()) and bool((~inside).any())
+        narrow = stable_page_scores(query, kmin, kmax, num_tokens, stable, 10, page_size, reduce)  # rows longer
+        assert torch.equal(narrow, got[:, :10])  # than the width stay inside their own columns
 
 
 def check_rerank() -> None:

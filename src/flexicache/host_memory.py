@@ -21,8 +21,8 @@ class _RegisteredMapping(mmap.mmap):
     """An anonymous mapping page-locked for CUDA; unregistered just before it is unmapped.
 
     Tensors from ``torch.frombuffer`` keep it alive (through their storage), so it goes only when no view of it is
-    left. Kernels that may still use it are waited for first (not inside a CUDA graph capture, where waiting is not
-    allowed: the host tier is never freed there).
+    left. Kernels of any device that may still use it are waited for first (not inside a CUDA graph capture, where
+    waiting is not allowed: the host tier is never freed there).
     """
 
     address: int | None = None  # set once registered
@@ -35,9 +35,12 @@ class _RegisteredMapping(mmap.mmap):
     def __del__(self) -> None:
         if self.address is None:
             return
-        if not torch.cuda.is_current_stream_capturing():
-            torch.cuda.synchronize()
-        torch.cuda.cudart().cudaHostUnregister(self.address)
+        try:
+            if not torch.cuda.is_current_stream_capturing():
+                for device in range(torch.cuda.device_count()):
+                    torch.cuda.synchronize(device)
+        finally:  # never unmap memory that is still registered
+            torch.cuda.cudart().cudaHostUnregister(self.address)
 
 
 def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -49,6 +52,8 @@ def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
+    if not hasattr(mmap, "MAP_ANONYMOUS"):  # no anonymous mappings (Windows): torch's own pinned allocation
+        return torch.zeros(shape, dtype=dtype, pin_memory=True)
     mapping = _RegisteredMapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer pages to lock; ignored where huge pages are off
         try:
@@ -60,6 +65,8 @@ def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     try:
         mapping.register()
     except RuntimeError as error:
+        del tensor  # give the faulted-in memory back now, not when the traceback goes
+        mapping.close()
         raise RuntimeError(f"Could not page-lock {nbytes / 2**30:.2f} GiB of host memory for FlexiCache's host tier "
                            f"({error}). Free host memory, raise the locked-memory limit (ulimit -l), or lower the "
                            "batch size or context.") from error

@@ -61,11 +61,10 @@ class HostTier:
             return
         shape = list(self.k.shape)
         shape[2] = num_pages + max(64, num_pages // 4)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            grown = self._zeros(tuple(shape), old.dtype)
-            grown[:, :, : old.shape[2]].copy_(old)
-            setattr(self, name, grown)
+        grown_k, grown_v = (self._zeros(tuple(shape), old.dtype) for old in (self.k, self.v))  # both, or neither
+        grown_k[:, :, : self.k.shape[2]].copy_(self.k)
+        grown_v[:, :, : self.v.shape[2]].copy_(self.v)
+        self.k, self.v = grown_k, grown_v
 
     @property
     def nbytes_reserved(self) -> int:

@@ -134,7 +134,17 @@ class SequenceState:
             )
         self._store_validity(valid, length)
         before, before_host = self.num_tokens.to(device), self.num_tokens_host
-        page_size = self.page_size
+        if valid is None and length == 1:
+            plan = self._decode_plan(before, before_host, device)
+        else:
+            plan = self._chunk_plan(valid, before, before_host, length, device)
+        self.num_tokens, self.num_tokens_host = plan.after, plan.after_host
+        return plan
+
+    def _chunk_plan(self, valid: torch.Tensor | None, before: torch.Tensor, before_host: torch.Tensor, length: int,
+                    device: torch.device) -> AppendPlan:
+        """The plan of ``length`` logical positions per request (``valid [B, T]``: which are real; ``None``: all)."""
+        batch_size, page_size = before.shape[0], self.page_size
         if valid is None:  # arange and integer division: repeat_interleave on CUDA would wait for the device
             index = torch.arange(batch_size * length, device=device)
             batch, chunk_pos = index // length, index % length
@@ -152,7 +162,6 @@ class SequenceState:
         new_page_batch = torch.arange(batch_size).repeat_interleave(counts)
         starts = torch.cumsum(counts, 0) - counts
         new_page_index = first_new.repeat_interleave(counts) + torch.arange(int(counts.sum())) - starts.repeat_interleave(counts)
-        self.num_tokens, self.num_tokens_host = after, after_host
         return AppendPlan(
             page_size=page_size,
             batch=batch,
@@ -166,6 +175,32 @@ class SequenceState:
             before_host=before_host,
             after_host=after_host,
             is_single_token=valid is None and length == 1,
+        )
+
+    def _decode_plan(self, before: torch.Tensor, before_host: torch.Tensor, device: torch.device) -> AppendPlan:
+        """:meth:`_chunk_plan` of one real token per request (a decode step) with fewer device launches and host ops,
+        as the GPU waits for this at every step: each request writes at its count and opens a page where its count
+        is a multiple of the page size."""
+        batch_size, page_size = before.shape[0], self.page_size
+        opening = (before_host % page_size == 0).nonzero().view(-1)
+        if opening.numel():
+            new_page_batch = host_to_device(opening, device)
+            new_page_index = host_to_device(before_host[opening] // page_size, device)
+        else:  # no copy to stage
+            new_page_batch = new_page_index = torch.empty(0, dtype=torch.long, device=device)
+        return AppendPlan(
+            page_size=page_size,
+            batch=torch.arange(batch_size, device=device),
+            chunk_pos=torch.zeros(batch_size, dtype=torch.long, device=device),
+            page=before // page_size,
+            offset=before % page_size,
+            new_page_batch=new_page_batch,
+            new_page_index=new_page_index,
+            before=before,
+            after=before + 1,
+            before_host=before_host,
+            after_host=before_host + 1,
+            is_single_token=True,
         )
 
     def _store_validity(self, valid: torch.Tensor | None, length: int) -> None:

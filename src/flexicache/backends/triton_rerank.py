@@ -70,7 +70,7 @@ MAX_RERANK_SLOTS = 128  # selection slots per row: the kernel pairs slots in [sl
 
 def fits_fused_rerank(scores: torch.Tensor, slots: int) -> bool:
     """Whether :func:`rerank_rows` takes these fp32 ``scores [R, W]`` (rows held in registers) and ``slots`` per row;
-    other cases (float64 scores of a float64 model, very large budgets) take the torch path."""
+    other cases (very long rows, very large budgets) take the torch path."""
     return scores.dtype == torch.float32 and scores.shape[1] <= MAX_SCORED_PAGES and slots <= MAX_RERANK_SLOTS
 
 

@@ -4,7 +4,8 @@ Three launches per layer and step, all CUDA-graph capturable (every per-step val
 
 - :func:`append_token`: write each row's new token into its tail page and fold its key into the page min/max;
 - ``_score_pages_kernel`` (grid: unstable row x block of pages): Quest upper bounds of every page of the
-  *unstable* rows, aggregated over the ``G`` query heads of the group, sink and tail forced to ``+inf``;
+  *unstable* rows, aggregated over the ``G`` query heads of the group, sink and tail forced to ``+inf`` (its
+  ``STABLE_RERANK`` mode scores the stable rows' full pages for their periodic rerank, :func:`stable_page_scores`);
 - ``_decode_table_kernel`` (grid: row): an unstable row finds the K-th largest score by bisection over
   order-preserving integer keys held in registers (ties go to the lower page, like
   :func:`~flexicache.selection.select_pages`) and lists the chosen pages in ascending order (tail last) through
@@ -93,7 +94,7 @@ def _score_pages_kernel(query_ptr, kmin_ptr, kmax_ptr, num_tokens_ptr, heads_ptr
         query_row = row
         scored = (num_pages > K) & (tl.program_id(1) * BLOCK_P < num_pages)  # rows within the budget need none
     page = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    valid = page < num_pages
+    valid = (page < num_pages) & (page < scores_stride)  # a row never writes past its own scores
     if scored:
         dims = tl.arange(0, HEAD_DIM)
         offsets = (row.to(tl.int64) * meta_capacity + page[:, None]) * HEAD_DIM + dims[None, :]
