@@ -5,6 +5,7 @@ The real registration runs in tests/test_gpu_flashinfer.py."""
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -31,6 +32,10 @@ class FakeCudart:
         self.calls.append("unregister")
         return 0
 
+    def cudaGetLastError(self) -> int:
+        self.calls.append("clear error")
+        return 0
+
 
 @pytest.fixture
 def cudart(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
@@ -43,7 +48,8 @@ def cudart(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setattr(torch.cuda, "check_error", check_error)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda device: device != 1, raising=False)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: fake.calls.append(f"synchronize {device}"))
     return fake
 
@@ -60,8 +66,9 @@ def test_pinned_zeros_registers_exactly_its_bytes_and_unregisters_after_the_last
     assert cudart.calls == ["register"]  # a view still uses it
     assert float(view[2].float().sum()) == 7 * 5 * 4 * 8
     del view
-    # every device's kernels that may still use it are waited for before the memory is unregistered and unmapped
-    assert cudart.calls == ["register", "synchronize 0", "synchronize 1", "unregister"]
+    # every started device's kernels that may still use it are waited for before the memory is unregistered and
+    # unmapped; device 1 (no context in this process) is not started by waiting on it
+    assert cudart.calls == ["register", "synchronize 0", "synchronize 2", "unregister"]
     assert cudart.unregistered == [address]
 
 
@@ -72,15 +79,22 @@ def test_no_wait_while_a_cuda_graph_is_being_captured(cudart: FakeCudart, monkey
     assert cudart.calls == ["register", "unregister"]
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_unregistered_even_when_waiting_fails(cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch) -> None:
     def failing_synchronize(device=None) -> None:
         raise RuntimeError("CUDA error: device-side assert triggered")
 
     tensor = pinned_zeros((16,), torch.float32)
     monkeypatch.setattr(torch.cuda, "synchronize", failing_synchronize)
-    del tensor  # the error is reported as unraisable (it happens in __del__); the memory is unregistered anyway
+    del tensor  # the memory is unregistered anyway
     assert cudart.calls == ["register", "unregister"]
+
+
+def test_a_forked_child_leaves_the_parents_registration_alone(cudart: FakeCudart,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    tensor = pinned_zeros((16,), torch.float32)
+    monkeypatch.setattr(os, "getpid", lambda: -1)  # as seen from another process
+    del tensor
+    assert cudart.calls == ["register"]
 
 
 def test_empty_tier_is_not_registered(cudart: FakeCudart) -> None:
@@ -93,5 +107,5 @@ def test_refused_registration_says_what_to_change(cudart: FakeCudart) -> None:
     with pytest.raises(RuntimeError, match=r"page-lock 0\.00 GiB .*ulimit -l.*batch size or context"):
         pinned_zeros((64, 64), torch.float32)
     gc.collect()
-    assert cudart.calls == ["register"]  # never registered: nothing to undo
+    assert cudart.calls == ["register", "clear error"]  # never registered: nothing to undo
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 
 import torch
 
@@ -21,26 +22,47 @@ class _RegisteredMapping(mmap.mmap):
     """An anonymous mapping page-locked for CUDA; unregistered just before it is unmapped.
 
     Tensors from ``torch.frombuffer`` keep it alive (through their storage), so it goes only when no view of it is
-    left. Kernels of any device that may still use it are waited for first (not inside a CUDA graph capture, where
-    waiting is not allowed: the host tier is never freed there).
+    left. Kernels that may still use it are waited for first on every device this process has started (not inside
+    a CUDA graph capture, where waiting is not allowed: the host tier is never freed there). A forked child does not
+    own the registration and leaves it alone.
     """
 
     address: int | None = None  # set once registered
+    owner: int | None = None  # the process that registered it
 
     def register(self) -> None:
         address = torch.frombuffer(self, dtype=torch.uint8, count=1).data_ptr()
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, len(self), _REGISTER_PORTABLE_MAPPED))
-        self.address = address
+        result = torch.cuda.cudart().cudaHostRegister(address, len(self), _REGISTER_PORTABLE_MAPPED)
+        if result:
+            _clear_last_cuda_error()  # else the next checked kernel launch would report this error as its own
+        torch.cuda.check_error(result)
+        self.address, self.owner = address, os.getpid()
 
     def __del__(self) -> None:
-        if self.address is None:
+        if self.address is None or self.owner != os.getpid():
             return
         try:
             if not torch.cuda.is_current_stream_capturing():
-                for device in range(torch.cuda.device_count()):
-                    torch.cuda.synchronize(device)
+                for device in _started_devices():
+                    try:
+                        torch.cuda.synchronize(device)
+                    except RuntimeError:  # e.g. a sticky error on that device: the others are still waited for
+                        pass
         finally:  # never unmap memory that is still registered
             torch.cuda.cudart().cudaHostUnregister(self.address)
+
+
+def _started_devices() -> list[int]:
+    """CUDA devices this process has a context on (waiting on another would start one)."""
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", lambda device: True)
+    return [device for device in range(torch.cuda.device_count()) if has_context(device)]
+
+
+def _clear_last_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed call whose error was handled here."""
+    get_last_error = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+    if get_last_error is not None:
+        get_last_error()
 
 
 def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

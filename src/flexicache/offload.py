@@ -61,7 +61,8 @@ class HostTier:
             return
         shape = list(self.k.shape)
         shape[2] = num_pages + max(64, num_pages // 4)
-        grown_k, grown_v = (self._zeros(tuple(shape), old.dtype) for old in (self.k, self.v))  # both, or neither
+        # Both or neither (a refusal leaves the tier as it was), so the old and new keys and values coexist briefly.
+        grown_k, grown_v = (self._zeros(tuple(shape), old.dtype) for old in (self.k, self.v))
         grown_k[:, :, : self.k.shape[2]].copy_(self.k)
         grown_v[:, :, : self.v.shape[2]].copy_(self.v)
         self.k, self.v = grown_k, grown_v

@@ -52,8 +52,9 @@ def largest_batch(suite: Suite, model_name: str, system: System) -> dict[str, An
     probe_batch = s.probe_batch
     probe = decode_run(suite, model, system, probe_batch, s.throughput_context, 2)
     per_layer_device = probe["device_reserved_bytes"] / (probe_batch * s.layers)  # pools, metadata, capacity
-    # FlexiCache's host tier (registered with CUDA, exactly its bytes) + torch's pinned blocks (DynamicCache's offloading)
-    host = probe["host_reserved_bytes"] + (probe.get("pinned_host_bytes") or 0)
+    # The cache's host bytes as it counts them, or torch's pinned blocks holding them where those are larger (its
+    # allocator rounds up, e.g. DynamicCache's offloading; FlexiCache's registered tier is not among them)
+    host = max(probe["host_reserved_bytes"], probe.get("pinned_host_bytes") or 0)
     per_layer_host = host / (probe_batch * s.layers)
     transient = (probe.get("decode_peak_extra_bytes") or 0) / probe_batch
     device_limit, host_limit = memory_limits(suite)
