@@ -33,7 +33,7 @@ class _RegisteredMapping(mmap.mmap):
     def register(self) -> None:
         address = torch.frombuffer(self, dtype=torch.uint8, count=1).data_ptr()
         result = torch.cuda.cudart().cudaHostRegister(address, len(self), _REGISTER_PORTABLE_MAPPED)
-        if result:
+        if int(result):  # a cudaError enum; 0 is success
             _clear_last_cuda_error()  # else the next checked kernel launch would report this error as its own
         torch.cuda.check_error(result)
         self.address, self.owner = address, os.getpid()
