@@ -43,7 +43,7 @@ class _RegisteredMapping(mmap.mmap):
             return
         try:
             if not torch.cuda.is_current_stream_capturing():
-                for device in _started_devices():
+                for device in started_cuda_devices():
                     try:
                         torch.cuda.synchronize(device)
                     except RuntimeError:  # e.g. a sticky error on that device: the others are still waited for
@@ -52,8 +52,9 @@ class _RegisteredMapping(mmap.mmap):
             torch.cuda.cudart().cudaHostUnregister(self.address)
 
 
-def _started_devices() -> list[int]:
-    """CUDA devices this process has a context on (waiting on another would start one)."""
+def started_cuda_devices() -> list[int]:
+    """CUDA devices this process has a context on (synchronising another would start one, e.g. on every GPU a
+    tensor-parallel rank can see)."""
     has_context = getattr(torch._C, "_cuda_hasPrimaryContext", lambda device: True)
     return [device for device in range(torch.cuda.device_count()) if has_context(device)]
 

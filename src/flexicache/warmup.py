@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from flexicache.cache import FlexiCache
+from flexicache.host_memory import started_cuda_devices
 from flexicache.models import cache_keyword, input_device
 from flexicache.profile import HeadProfile
 
@@ -49,8 +50,8 @@ def warm_up(model: torch.nn.Module, context: int, batch_size: int = 1,
     with torch.inference_mode():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, num_beams=1, **{cache_keyword(model): cache})
-    for index in range(torch.cuda.device_count()):
-        torch.cuda.synchronize(index)
+    for device in started_cuda_devices():
+        torch.cuda.synchronize(device)
     result = {"seconds": time.perf_counter() - start, "new_tokens": new_tokens, **cache.stats()}
     # The layers' CUDA-graph launches refer back to them (reference cycles): collect now, not inside later work.
     del cache
