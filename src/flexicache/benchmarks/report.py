@@ -156,7 +156,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, str]]:
 
     memory = rows_of("memory")
     fc, dyn = find(memory, system=system, context=context), find(memory, system="dynamic", context=context)
-    memory_fc, memory_dyn = fc, dyn  # for the peak target: ``fc``/``dyn`` name the throughput rows further down
+    memory_fc, memory_dyn = fc, dyn  # for the peak target: ``fc``/``dyn`` name other rows further down
     if fc and dyn:
         share = (fc["device_kv_bytes"] + fc["device_metadata_bytes"]) / dyn["device_kv_bytes"]
         add(f"device KV <= 30% of DynamicCache at {context} tokens, budget {budget}",
@@ -269,15 +269,16 @@ def targets(results: dict[str, Any]) -> list[dict[str, str]]:
             f"{every['rows_vs_stability_aware']:.2f}x (rows, not time)", None, "not measured")
 
     name = f"peak device memory, prefill + decode, at {context} tokens <= 50% of DynamicCache's"
-    fc, dyn = memory_fc, memory_dyn
-    fc_peak, dyn_peak = (None if row is None else row["full_depth"].get("peak_bytes") for row in (fc, dyn))
+    measured = bool(memory_fc and memory_dyn)
+    fc_peak, dyn_peak = (None if row is None else row["full_depth"].get("peak_bytes") for row in (memory_fc, memory_dyn))
     if fc_peak is None or dyn_peak is None:
-        add(name, "not measured: the CUDA allocator's peak (a GPU run of the memory case)" if fc and dyn else None,
-            None, "not measured" if fc and dyn else None)
+        add(name, "not measured: the CUDA allocator's peak (a GPU run of the memory case)" if measured else None,
+            None, "not measured" if measured else None)
     else:
-        how = "measured" if fc["layers"] == fc["full_depth"]["layers"] else "estimated from fewer layers"
+        how = "measured" if memory_fc["layers"] == memory_fc["full_depth"]["layers"] else "estimated from fewer layers"
         add(name, f"{fc_peak / dyn_peak:.1%} ({size(fc_peak)} vs {size(dyn_peak)} at {full} layers, {how}; batch "
-            f"{fc.get('batch', 1)}, prefill in {prefill_text(fc.get('prefill_chunk', 0))})", fc_peak / dyn_peak <= 0.5)
+            f"{memory_fc.get('batch', 1)}, prefill in {prefill_text(memory_fc.get('prefill_chunk', 0))})",
+            fc_peak / dyn_peak <= 0.5)
     return out
 
 
