@@ -5,12 +5,19 @@ Times 2 GiB of page-locked host memory from ``torch.zeros(..., pin_memory=True)`
 prefill (``update`` + ``commit``) of Llama-3.1-8B-shaped layers of ``--context`` tokens x batch ``--batch`` one
 after another, the last under the torch profiler (tables by CUDA and by CPU time).
 
-Usage: ``python eval/gpu_prefill_profile.py [--context 32768] [--batch 8] [--layers 6]``
+With ``--chunk N`` the layers' prefill runs as a chunked forward does it (each chunk of ``N`` tokens through every
+layer, all chunks of a layer in one cache), every chunk timed, the last one also under cProfile (host time by
+function: where growing the cache's buffers costs).
+
+Usage: ``python eval/gpu_prefill_profile.py [--context 32768] [--batch 8] [--layers 6] [--chunk 4096]``
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 from collections.abc import Callable
 from typing import Any
@@ -52,11 +59,36 @@ def page_locking() -> None:
     print(f"2 GiB device -> pinned_zeros {to_host:.0f} ms, pinned_zeros -> device {to_device:.0f} ms")
 
 
+def chunked_prefill(cache: FlexiCache, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
+                    chunk: int) -> None:
+    """Prefill every layer of ``cache`` with ``keys``/``values`` ``[B, H, L, D]`` in chunks of ``chunk`` tokens,
+    timing each chunk (all layers) and profiling the last one's host side."""
+    starts = list(range(0, keys.shape[2], chunk))
+
+    def run_chunk(start: int) -> None:
+        for index, layer in enumerate(cache.layers):
+            layer.update(keys[:, :, start:start + chunk], values[:, :, start:start + chunk])
+            layer.commit(attention._take(index), query, None)
+
+    for start in starts[:-1]:
+        _, ms = timed(lambda start=start: run_chunk(start))
+        print(f"chunk at {start}: {ms:.0f} ms ({len(cache.layers)} layers)")
+    host = cProfile.Profile()
+    host.enable()
+    _, ms = timed(lambda: run_chunk(starts[-1]))
+    host.disable()
+    print(f"chunk at {starts[-1]} under cProfile: {ms:.0f} ms")
+    out = io.StringIO()
+    pstats.Stats(host, stream=out).sort_stats("tottime").print_stats(30)
+    print(out.getvalue())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--chunk", type=int, default=0, help="prefill in chunks of this many tokens (0: one)")
     args = parser.parse_args()
     page_locking()
     shape = Shape(num_layers=args.layers)
@@ -73,6 +105,9 @@ def main() -> None:
         layer.update(keys, values)
         layer.commit(attention._take(index), query, None)
 
+    if args.chunk:
+        chunked_prefill(cache, keys, values, query, args.chunk)
+        return
     for index in range(args.layers - 1):  # the first includes compiling the kernels
         _, ms = timed(lambda index=index: prefill(index))
         print(f"layer {index} prefill (update + commit) {ms:.0f} ms")

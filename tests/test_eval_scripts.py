@@ -21,6 +21,6 @@ def run_script(name: str, *args: str) -> str:
     return result.stdout
 
 
-@pytest.mark.parametrize("name", ["gpu_step_profile.py", "gpu_prefill_profile.py"])
+@pytest.mark.parametrize("name", ["gpu_step_profile.py", "gpu_prefill_profile.py", "gpu_kernel_sweep.py"])
 def test_gpu_profiling_scripts_parse_their_arguments(name: str) -> None:
     assert "usage:" in run_script(name, "--help")

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flexicache.backends.triton_select import MAX_SCORED_PAGES, _order_key, _top_keys
+from flexicache.backends.triton_select import MAX_SCORED_PAGES, _order_key, _top_keys, selection_warps
 from flexicache.backends.triton_transfer import copy_pages
 
 
@@ -102,7 +102,7 @@ def rerank_rows(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: to
     _rerank_kernel[(rows,)](
         scores, num_full_pages, selected, selected_scores, indices[0], indices[1], indices[2], copy_mask, promoted,
         scores.stride(0), base, host_pages_per_row, SLOTS=slots, BLOCK_K=block_k, BLOCK_S=block_s,
-        num_warps=max(4, min(16, block_s // 256)),
+        num_warps=selection_warps(block_s),
     )
     copy_pages(host, pool, indices[1], indices[2], copy_mask)
     return promoted

@@ -28,7 +28,10 @@ import triton
 import triton.language as tl
 
 MAX_SCORED_PAGES = 16384  # pages per row the selection holds in registers (262k tokens at page size 16)
-SCORE_BLOCK = 64  # pages per scoring program
+# Launch settings measured on the H200 (eval/gpu_kernel_sweep.py, BENCHMARKS.md): 32k context, batch 8.
+SCORE_BLOCK = 32  # pages per scoring program
+SCORE_WARPS = 4
+TABLE_WARPS = 8  # most warps of a selection program (fewer for short rows)
 
 
 @triton.jit
@@ -209,6 +212,11 @@ class TableInputs:
     group_reduce: str
 
 
+def selection_warps(block_scores: int) -> int:
+    """Warps of a program that selects from a row of ``block_scores`` scores (``TABLE_WARPS`` at most)."""
+    return max(4, min(TABLE_WARPS, block_scores // 256))
+
+
 def fits_fused_table(meta_capacity: int) -> bool:
     """Whether the fused selection can hold a row of ``meta_capacity`` pages in registers."""
     return meta_capacity <= MAX_SCORED_PAGES
@@ -248,22 +256,35 @@ def decode_table(inputs: TableInputs, scores: torch.Tensor, flat: torch.Tensor |
                  ) -> None:
     """Score, select and list one layer's pages: fill ``flat`` at ``indptr`` (FlashInfer's index buffer and its
     ``[B * H + 1]`` row offsets) and/or ``table_out = (slots, page_lens)``, both ``[B * H, K]`` (padded)."""
+    if not fits_fused_table(inputs.kmin.shape[2]):
+        raise ValueError(f"fused decode table holds at most {MAX_SCORED_PAGES} pages per row, "
+                         f"got {inputs.kmin.shape[2]}")
+    score_unstable_pages(inputs, scores)
+    list_pages(inputs, scores, flat, indptr, table_out)
+
+
+def score_unstable_pages(inputs: TableInputs, scores: torch.Tensor) -> None:
+    """Fill ``scores [B * hu, >= P]`` with the unstable rows' page scores (rows within the budget are skipped)."""
     rows, group, head_dim = inputs.query.shape
-    batch = inputs.num_tokens.shape[0]
-    num_unstable, num_stable = inputs.unstable_heads.numel(), inputs.stable_heads.numel()
-    capacity = inputs.kmin.shape[2]
-    if not fits_fused_table(capacity):
-        raise ValueError(f"fused decode table holds at most {MAX_SCORED_PAGES} pages per row, got {capacity}")
-    unused = inputs.num_tokens  # an int64 stand-in for absent tensors (never read or written)
+    batch, num_unstable, capacity = inputs.num_tokens.shape[0], inputs.unstable_heads.numel(), inputs.kmin.shape[2]
     if num_unstable:
-        grid = (batch * num_unstable, triton.cdiv(capacity, SCORE_BLOCK))
-        _score_pages_kernel[grid](
+        _score_pages_kernel[(batch * num_unstable, triton.cdiv(capacity, SCORE_BLOCK))](
             inputs.query, inputs.kmin, inputs.kmax, inputs.num_tokens, inputs.unstable_heads, scores, num_unstable,
             rows // batch, capacity, scores.shape[1], K=inputs.pages_per_head, PAGE_SIZE=inputs.page_size,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_P=SCORE_BLOCK, REDUCE_SUM=inputs.group_reduce == "sum",
-            STABLE_RERANK=False,
+            STABLE_RERANK=False, num_warps=SCORE_WARPS,
         )
-    block_scores = triton.next_power_of_2(max(capacity, 16))
+
+
+def list_pages(inputs: TableInputs, scores: torch.Tensor, flat: torch.Tensor | None = None,
+               indptr: torch.Tensor | None = None, table_out: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> None:
+    """Select each row's pages from ``scores`` and write them (see :func:`decode_table`)."""
+    rows = inputs.query.shape[0]
+    batch = inputs.num_tokens.shape[0]
+    num_unstable, num_stable = inputs.unstable_heads.numel(), inputs.stable_heads.numel()
+    unused = inputs.num_tokens  # an int64 stand-in for absent tensors (never read or written)
+    block_scores = triton.next_power_of_2(max(inputs.kmin.shape[2], 16))
     slots, lens = table_out if table_out is not None else (unused, unused)
     _decode_table_kernel[(batch * (num_unstable + num_stable),)](
         scores, inputs.table if num_unstable else unused, inputs.selected if num_stable else unused,
@@ -273,8 +294,7 @@ def decode_table(inputs: TableInputs, scores: torch.Tensor, flat: torch.Tensor |
         rows // batch, inputs.table.shape[2] if num_unstable else 0, inputs.stable_base, scores.shape[1],
         K=inputs.pages_per_head, PAGE_SIZE=inputs.page_size,
         BLOCK_K=triton.next_power_of_2(inputs.pages_per_head), BLOCK_S=block_scores,
-        WRITE_TABLE=table_out is not None, WRITE_FLAT=flat is not None,
-        num_warps=max(4, min(16, block_scores // 256)),
+        WRITE_TABLE=table_out is not None, WRITE_FLAT=flat is not None, num_warps=selection_warps(block_scores),
     )
 
 

@@ -1,0 +1,152 @@
+"""Launch settings of FlexiCache's per-layer decode kernels, timed on a CUDA GPU, each variant checked against the
+default's output.
+
+Builds one Llama-3.1-8B-shaped attention layer (8 KV heads, group 4, head dim 128, 25% unstable heads, budget
+1024) with ``--context`` random tokens x batch ``--batch``, runs decode steps until its selection is warm, then times
+on that state, each from a CUDA graph of 20 launches (launch overhead excluded, as in a whole-step graph):
+
+- the unstable rows' page scoring (``_score_pages_kernel``) per pages-per-program block and warp count;
+- the selection + page list (``_decode_table_kernel``) per warp count;
+- the per-layer copy of the step's token and query into the layer's static buffers (``DecodeGraph.load``);
+- FlashInfer's sparse decode with the CUDA-core and the tensor-core kernel on the same page list.
+
+Usage: ``python eval/gpu_kernel_sweep.py [--context 32768] [--batch 8] [--out sweep.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import torch
+
+from flexicache import FlexiCache, attention
+from flexicache.backends import triton_select
+from flexicache.backends.flashinfer import FlashInferBackend
+from flexicache.benchmarks.attention import Module, Shape, random_profile
+
+REPEATS = 20
+
+
+def graph_us(work: Callable[[], None]) -> float:
+    """Microseconds per ``work()`` replayed from a CUDA graph of ``REPEATS`` calls (median of 5 replays)."""
+    work()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        for _ in range(REPEATS):
+            work()
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(1000 * start.elapsed_time(end) / REPEATS)
+    return sorted(times)[2]
+
+
+def warm_layer(context: int, batch: int, steps: int) -> FlexiCache:
+    """A one-layer cache of ``context`` random tokens after ``steps`` decode steps (layer by layer)."""
+    shape = Shape(num_layers=1)
+    torch.manual_seed(0)
+    cache = FlexiCache(shape.config(), profile=random_profile(shape, 0.25), token_budget=1024)
+    query = torch.randn(batch, shape.num_kv_heads * shape.group, 1, shape.head_dim, dtype=torch.bfloat16,
+                        device="cuda")
+    keys = torch.randn(batch, shape.num_kv_heads, context, shape.head_dim, dtype=torch.bfloat16, device="cuda")
+    layer = cache.layers[0]
+    layer.update(keys, torch.randn_like(keys))
+    layer.commit(attention._take(0), query, None)
+    module = Module(0, shape)
+    for _ in range(steps):
+        token = torch.randn(batch, shape.num_kv_heads, 1, shape.head_dim, dtype=torch.bfloat16, device="cuda")
+        out_keys, out_values = layer.update(token, torch.randn_like(token))
+        attention.flexicache_attention_forward(module, torch.randn_like(query), out_keys, out_values, None,
+                                               scaling=module.scaling)
+    torch.cuda.synchronize()
+    return cache
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    cache = warm_layer(args.context, args.batch, steps=40)
+    layer = cache.layers[0]
+    graph, planned = layer.graph, layer.backend._current
+    query = graph.query
+    inputs = layer._table_inputs(graph.query, layer.step_inputs[layer.device].num_tokens)
+    scores = graph.scores
+    results: dict[str, object] = {"context": args.context, "batch": args.batch, "gpu": torch.cuda.get_device_name(),
+                                  "meta_capacity": inputs.kmin.shape[2], "score": {}, "table": {}}
+    defaults = (triton_select.SCORE_BLOCK, triton_select.SCORE_WARPS, triton_select.TABLE_WARPS)
+
+    triton_select.score_unstable_pages(inputs, scores)
+    reference_scores = scores.clone()
+    pages = (inputs.num_tokens.repeat_interleave(inputs.unstable_heads.numel()) + 15) // 16  # [B * hu] pages per row
+    written = torch.arange(scores.shape[1], device=scores.device) < pages.unsqueeze(1)  # columns a row's scores fill
+    for block in (32, 64, 128):
+        for warps in (2, 4, 8):
+            triton_select.SCORE_BLOCK, triton_select.SCORE_WARPS = block, warps
+            scores.zero_()
+            triton_select.score_unstable_pages(inputs, scores)
+            same = bool(torch.equal(scores[written], reference_scores[written]))
+            us = graph_us(lambda: triton_select.score_unstable_pages(inputs, scores))
+            results["score"][f"block{block}_warps{warps}"] = {"us": us, "same_scores": same}
+            print(f"score block {block:3d} warps {warps:2d}: {us:7.2f} us  same {same}", flush=True)
+    triton_select.SCORE_BLOCK, triton_select.SCORE_WARPS = defaults[:2]
+    triton_select.score_unstable_pages(inputs, scores)
+
+    triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)
+    reference_indices = planned.indices.clone()
+    for warps in (4, 8, 16):  # fewer warps were 2-4x slower at 32k on the H200 (session 7)
+        triton_select.TABLE_WARPS = warps
+        planned.indices.fill_(-7)
+        triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)
+        same = bool(torch.equal(planned.indices[:-1], reference_indices[:-1]))
+        us = graph_us(lambda: triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr))
+        results["table"][f"warps{warps}"] = {"us": us, "same_pages": same}
+        print(f"table warps {warps:2d}: {us:7.2f} us  same {same}", flush=True)
+    triton_select.TABLE_WARPS = defaults[2]
+    triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)
+
+    token = torch.randn(args.batch, layer.num_kv_heads, 1, layer.head_dim, dtype=layer.dtype, device="cuda")
+    full_query = torch.randn(args.batch, query.shape[0] // args.batch * query.shape[1], 1, layer.head_dim,
+                             dtype=layer.dtype, device="cuda")
+    rows_query = full_query.reshape(query.shape)
+    results["load_us"] = graph_us(lambda: graph.load(token[:, :, 0], token[:, :, 0], rows_query))
+    print(f"DecodeGraph.load: {results['load_us']:.2f} us", flush=True)
+    pool_k, pool_v = layer.pool.k, layer.pool.v
+    cuda_core = planned.wrapper.run(query, (pool_k.unsqueeze(2), pool_v.unsqueeze(2)))
+    tensor_core_backend = FlashInferBackend(layer.device, use_tensor_cores=True)
+    layout = layer._decode_layout(layer.plan)
+    tensor_core = tensor_core_backend.prepare(layout, query.shape[1], layer.head_dim, layer.settings.page_size,
+                                              layer.settings.pages_per_head, layer.dtype, layer.scale)
+    tensor_core.indices.copy_(planned.indices)
+    tensor_core_out = FlashInferBackend.run_prepared(tensor_core, query, pool_k, pool_v)
+    results["flashinfer"] = {
+        "cuda_core_us": graph_us(lambda: FlashInferBackend.run_prepared(planned, query, pool_k, pool_v,
+                                                                        out=graph.output)),
+        "tensor_core_us": graph_us(lambda: FlashInferBackend.run_prepared(tensor_core, query, pool_k, pool_v,
+                                                                          out=graph.output)),
+        "max_abs_difference": float((cuda_core.float() - tensor_core_out.float()).abs().max()),
+    }
+    print(f"flashinfer: {results['flashinfer']}", flush=True)
+
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(results, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
