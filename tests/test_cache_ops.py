@@ -133,6 +133,32 @@ def test_operations_keep_every_token_with_sparse_budget():
     assert cache.stats()["reranks_stable"] > reranks  # the stable heads reranked after the rebuild
 
 
+def test_page_locked_read_back_equals_the_plain_one():
+    """``read_tokens`` from a page-locked tier (row by row, or the whole tier at once) gives the plain path's tokens
+    and leaves the tier as it was (forced on the CPU: the copies are the same calls as on CUDA)."""
+    config = tiny_config("llama", group=2, num_kv_heads=2, num_layers=2)
+    model = tiny_model(config, seed=3)
+    ids, mask = left_pad([random_prompt(70, seed=1), random_prompt(45, seed=2)])
+    cache = checked(FlexiCache.from_model(model, profile=mixed_profile(config), token_budget=16, page_size=4))
+    greedy(model, ids, cache, mask, 6)
+    num_tokens = cache.sequence.num_tokens_host
+    for layer in cache.layers:
+        offloaded = layer.offloaded
+        if offloaded is None:
+            continue
+        host_before = (offloaded.host.k.clone(), offloaded.host.v.clone())
+        capacity = offloaded.host.k.shape[2]
+        for num_pages in (int((num_tokens.max() + 3) // 4), capacity):
+            plain = offloaded.read_tokens(num_pages, num_tokens)
+            offloaded.host.pin_memory = True
+            try:
+                locked = offloaded.read_tokens(num_pages, num_tokens)
+            finally:
+                offloaded.host.pin_memory = False
+            assert torch.equal(plain[0], locked[0]) and torch.equal(plain[1], locked[1])
+        assert torch.equal(offloaded.host.k, host_before[0]) and torch.equal(offloaded.host.v, host_before[1])
+
+
 def test_crop_arguments():
     config = tiny_config("llama", group=2, num_kv_heads=2, num_layers=2)
     model = tiny_model(config)

@@ -341,19 +341,35 @@ class OffloadedPages:
             num_tokens: ``[B]`` real tokens per request (CPU).
         """
         self._reserve_host(num_pages)
-        if self.zero_copy:  # kernels may still write the host tier
-            torch.cuda.synchronize(self.pool.k.device)
-        keys = self.host.k[:, :, :num_pages].clone()
-        values = self.host.v[:, :, :num_pages].clone()
+        device, head_dim = self.pool.k.device, self.pool.k.shape[-1]
+        batch_size = self.num_rows // self.num_heads
+        if self.host.pin_memory:  # copies from the page-locked tier, ordered after the kernels that write it
+            keys, values = self._host_pages_to_device(num_pages)
+        else:
+            keys = self.host.k[:, :, :num_pages].to(device, copy=True, memory_format=torch.contiguous_format)
+            values = self.host.v[:, :, :num_pages].to(device, copy=True, memory_format=torch.contiguous_format)
         nonempty = (num_tokens > 0).nonzero().view(-1)
-        tail_page = (num_tokens[nonempty] - 1) // self.page_size
-        tail_slots = self._tail_slots(nonempty.to(self.pool.k.device))
-        shape = (nonempty.numel(), self.num_heads, self.page_size, self.pool.k.shape[-1])
-        keys[nonempty, :, tail_page] = self.pool.k[tail_slots].view(shape).cpu()
-        values[nonempty, :, tail_page] = self.pool.v[tail_slots].view(shape).cpu()
-        batch_size = keys.shape[0]
-        device = self.pool.k.device
-        return (
-            keys.reshape(batch_size, self.num_heads, -1, keys.shape[-1]).to(device),
-            values.reshape(batch_size, self.num_heads, -1, values.shape[-1]).to(device),
-        )
+        tail_page = ((num_tokens[nonempty] - 1) // self.page_size).to(device)
+        nonempty = nonempty.to(device)
+        tail_slots = self._tail_slots(nonempty)
+        shape = (nonempty.numel(), self.num_heads, self.page_size, head_dim)
+        keys[nonempty, :, tail_page] = self.pool.k[tail_slots].view(shape)  # the tail pages live on the device
+        values[nonempty, :, tail_page] = self.pool.v[tail_slots].view(shape)
+        return (keys.view(batch_size, self.num_heads, -1, head_dim), values.view(batch_size, self.num_heads, -1, head_dim))
+
+    def _host_pages_to_device(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``num_pages`` host pages of every row as device ``[B, h, num_pages, ps, D]`` keys/values: one
+        asynchronous copy per row and tensor (a row's pages are contiguous in the tier)."""
+        batch_size, num_heads, capacity, page_size, head_dim = self.host.k.shape
+        copies = []
+        for pages in (self.host.k, self.host.v):
+            target = torch.empty(batch_size * num_heads, num_pages, page_size, head_dim, dtype=pages.dtype,
+                                 device=self.pool.k.device)
+            by_row = pages.view(batch_size * num_heads, capacity, page_size, head_dim)
+            if num_pages == capacity:
+                target.copy_(by_row, non_blocking=True)
+            else:
+                for row in range(batch_size * num_heads):
+                    target[row].copy_(by_row[row, :num_pages], non_blocking=True)
+            copies.append(target.view(batch_size, num_heads, num_pages, page_size, head_dim))
+        return copies[0], copies[1]
