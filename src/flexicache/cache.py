@@ -9,9 +9,10 @@ step; stable heads keep only their selected pages plus the tail page on the devi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache
@@ -377,8 +378,8 @@ class FlexiLayer(CacheLayerMixin):
         if self._recorded_rerank:  # scores the metadata's whole capacity: a width that does not change per step
             self._rerank_stable(self._group_queries(query[:, :, 0], self.stable_index), step.num_tokens,
                                 self.meta.kmin.shape[2])
-        self.graph.load(chunk.keys[:, :, 0], chunk.values[:, :, 0], rows_query)
-        self._recorded_launch()
+        # The recorded step's own tensors are static inside its graph: no copy into the layer's buffers.
+        self._recorded_launch(chunk.keys[:, :, 0], chunk.values[:, :, 0], rows_query.contiguous())
         return self.graph.output
 
     def _graph_ready(self, rows_query: torch.Tensor) -> bool:
@@ -393,12 +394,15 @@ class FlexiLayer(CacheLayerMixin):
     def _decode_graphed(self, keys: torch.Tensor, values: torch.Tensor, rows_query: torch.Tensor,
                         plan: AppendPlan) -> torch.Tensor:
         launch, storage_key = self._graph_step(plan)
-        self.graph.load(keys, values, rows_query)
-        return self.graph.run(launch, storage_key)
+        graph = self.graph
+        graph.load(keys, values, rows_query)
+        return graph.run(lambda: launch(graph.keys, graph.values, graph.query), storage_key)
 
-    def _graph_step(self, plan: AppendPlan) -> tuple[Callable[[], None], tuple]:
-        """This step's device work over the layer's :class:`DecodeGraph` buffers (token append, scoring,
-        selection, sparse FlashInfer decode) and the key of the storage it reads; plans the step (once per step)."""
+    def _graph_step(self, plan: AppendPlan) -> tuple[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+                                                     tuple]:
+        """This step's device work (token append, scoring, selection, sparse FlashInfer decode into the layer's
+        :class:`DecodeGraph` output), called with the step's keys/values ``[B, H, D]`` and contiguous query
+        ``[B * H, G, D]``, and the key of the storage it reads; plans the step (once per step)."""
         from flexicache.backends.triton_select import append_token, decode_table, scores_buffer
 
         graph, pages_per_head = self.graph, self.settings.pages_per_head
@@ -419,11 +423,12 @@ class FlexiLayer(CacheLayerMixin):
             graph.scores = scores_buffer(inputs)
         scores = graph.scores
 
-        def launch() -> None:
-            append_token(graph.keys, graph.values, self.pool.k, self.pool.v, inputs.kmin, inputs.kmax,
-                         self.write_slots, step.page, step.offset)
-            decode_table(inputs, scores, flat=planned.indices, indptr=planned.indptr)
-            self.backend.run_prepared(planned, graph.query, self.pool.k, self.pool.v, out=graph.output)
+        def launch(keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
+            append_token(keys, values, self.pool.k, self.pool.v, inputs.kmin, inputs.kmax, self.write_slots,
+                         step.page, step.offset)
+            decode_table(dataclasses.replace(inputs, query=query), scores, flat=planned.indices,
+                         indptr=planned.indptr)
+            self.backend.run_prepared(planned, query, self.pool.k, self.pool.v, out=graph.output)
 
         storage = (self.pool.k, self.pool.v, inputs.kmin, inputs.kmax, inputs.table, inputs.selected, scores)
         storage_key = (planned, *((t.data_ptr(), t.shape) if t is not None else None for t in storage))
