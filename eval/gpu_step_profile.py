@@ -3,7 +3,8 @@
 Builds FlexiCache over ``--layers`` Llama-3.1-8B-shaped attention layers (8 KV heads, group 4, head dim 128, random
 KV of ``--context`` tokens, batch ``--batch``, budget 1024, 25% unstable heads), runs decode steps as
 ``flexicache.benchmarks.attention`` does with ``step_graph=True``, and prints: the step's wall time, its host-issue
-time, the time of ``begin_graphed_step`` (the cache's per-step bookkeeping) and of the replayed graph alone on the
+time, the times of the cache's per-step bookkeeping (``begin_graphed_step`` where a step records or follows other work,
+else ``prepare_replay`` before the replay and ``finish_replay`` after it) and of the replayed graph alone on the
 GPU; then a torch-profiler table of the kernels (``cuda_time_total``) and a cProfile of the host side.
 
 Usage: ``python eval/gpu_step_profile.py [--layers 16] [--context 32768] [--batch 8]``
@@ -62,16 +63,20 @@ def main() -> None:
     for _ in range(40):
         step()
     torch.cuda.synchronize()
-    bookkeeping_ms: list[float] = []
-    begin = cache.begin_graphed_step
+    bookkeeping_ms: dict[str, list[float]] = {}
 
-    def timed_begin() -> tuple:
-        start = time.perf_counter()
-        result = begin()
-        bookkeeping_ms.append(1000 * (time.perf_counter() - start))
-        return result
+    def timed(name: str, work):  # the cache's bookkeeping methods, each call timed on the host
+        def run(*args):
+            start = time.perf_counter()
+            result = work(*args)
+            bookkeeping_ms.setdefault(name, []).append(1000 * (time.perf_counter() - start))
+            return result
+        return run
 
-    cache.begin_graphed_step = timed_begin
+    names = ("begin_graphed_step", "prepare_replay", "finish_replay")
+    originals = {name: getattr(cache, name) for name in names}
+    for name in names:
+        setattr(cache, name, timed(name, originals[name]))
     host_ms, wall_ms = [], []
     for _ in range(64):
         start = time.perf_counter()
@@ -80,11 +85,15 @@ def main() -> None:
         torch.cuda.synchronize()
         host_ms.append(1000 * (issued - start))
         wall_ms.append(1000 * (time.perf_counter() - start))
-    cache.begin_graphed_step = begin
+    for name in names:
+        delattr(cache, name)
     median = statistics.median
-    print(f"layers {args.layers}: step wall ms p50 {median(wall_ms):.3f}, host issue p50 {median(host_ms):.3f}, "
-          f"begin_graphed_step p50 {median(bookkeeping_ms):.3f} "
-          f"({1000 * median(bookkeeping_ms) / args.layers:.1f} us/layer)")
+    print(f"layers {args.layers}: step wall ms p50 {median(wall_ms):.3f}, host issue p50 {median(host_ms):.3f}")
+    for name in names:  # prepare_replay precedes the replay, finish_replay follows it (overlapping the GPU)
+        if name in bookkeeping_ms:
+            times = bookkeeping_ms[name]
+            print(f"  {name}: {len(times)} calls, p50 {median(times):.3f} ms "
+                  f"({1000 * median(times) / args.layers:.1f} us/layer)")
     # Replaying one recorded step out of sequence repeats its writes (a token, counters): fine for timing only.
     recorded = next(iter(cache.step_graphs.steps.values()))
     start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

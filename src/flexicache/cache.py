@@ -120,6 +120,7 @@ class FlexiLayer(CacheLayerMixin):
         self.fused_table = self.device.type == "cuda" and triton_available() and head_dim & (head_dim - 1) == 0
         self.graph: DecodeGraph | None = None  # built at the first decode step on the CUDA + FlashInfer path
         self._launch: tuple | None = None  # (what it reads, launch, storage key) of the last _graph_step
+        self._reserved_plan: AppendPlan | None = None  # the graphed step whose room reserve_graphed_step made
         self.is_initialized = True
 
     # ------------------------------------------------------------------------------------ transformers protocol
@@ -255,7 +256,8 @@ class FlexiLayer(CacheLayerMixin):
 
     def _full_page_width(self, plan: AppendPlan) -> int:
         """Full pages of the longest request after ``plan`` (the score width a stable rerank needs)."""
-        return int((plan.after_host - 1).clamp(min=0).max()) // self.settings.page_size
+        return self._per_step(plan, "full_page_width", lambda: int(
+            (plan.after_host - 1).clamp(min=0).max()) // self.settings.page_size)
 
     def _rerank_stable(self, query: torch.Tensor, num_tokens: torch.Tensor, width: int) -> None:
         """Rerank every stable row with ``query [B * hs, G, D]`` over its full pages (the tail page is not read).
@@ -274,13 +276,11 @@ class FlexiLayer(CacheLayerMixin):
             scores = quest_page_scores(query, kmin, kmax, self.settings.group_reduce)
         self.offloaded.rerank(scores, per_row(full_pages, len(self.stable_heads)))
 
-    def _start_decode_step(self, plan: AppendPlan, in_graph: bool = False) -> int:
-        """Host side of a decode step before its token is written: retire full stable tails, open pages, count
-        (``in_graph``: see :meth:`_prepare_token_slots`).
+    def _count_decode_step(self, plan: AppendPlan) -> int:
+        """Host bookkeeping of a decode step: step and rerank counters, the stable heads' rerank phase.
 
         Returns the score width of this step's stable rerank (``0``: none due, or no full page yet).
         """
-        self._prepare_token_slots(plan, in_graph)
         self.decode_steps += 1
         if self.resident is not None:
             self.unstable_counters.reranks += self.batch_size * len(self.unstable_heads)
@@ -315,7 +315,8 @@ class FlexiLayer(CacheLayerMixin):
             return output.view(batch_size, num_query_heads, head_dim).unsqueeze(1)
         self.scale = scale
         plan = self.sequence.plan_chunk(self.num_chunks, None, batch_size, 1, self.device)
-        rerank_width = self._start_decode_step(plan)
+        self._prepare_token_slots(plan)
+        rerank_width = self._count_decode_step(plan)
         if rerank_width:  # reads full pages only, so it may run before the token is written
             self._rerank_stable(self._group_queries(query[:, :, 0], self.stable_index), plan.after, rerank_width)
         keys, values = chunk.keys[:, :, 0], chunk.values[:, :, 0]
@@ -351,16 +352,49 @@ class FlexiLayer(CacheLayerMixin):
         Returns:
             The key of the recorded work: whether the stable heads rerank, and the storage it reads.
         """
-        plan = self.sequence.plan_chunk(self.num_chunks, None, self.batch_size, 1, self.device)
+        plan = self.graphed_step_plan()
+        self.reserve_graphed_step(plan)
+        self._recorded_rerank = self.rerank_due(plan)
+        self._recorded_launch, storage_key = self._graph_launch(plan)
+        self.finish_graphed_step(plan)
+        return self._recorded_rerank, storage_key
+
+    def graphed_step_plan(self) -> AppendPlan:
+        """The plan of this layer's next single-token step (computed once per step, shared by the layers)."""
+        return self.sequence.plan_chunk(self.num_chunks, None, self.batch_size, 1, self.device)
+
+    def reserve_graphed_step(self, plan: AppendPlan) -> None:
+        """Pool slots, page-table, metadata and host-tier room for what the step ``plan`` opens and retires (once
+        per step: a second call with the same plan does nothing). The only part of a graphed step's host work
+        that can reallocate what a recorded graph reads."""
+        if self._reserved_plan is not plan:
+            self._prepare_token_slots(plan, in_graph=True)
+            self._reserved_plan = plan
+
+    def rerank_due(self, plan: AppendPlan) -> bool:
+        """Whether the stable heads rerank at the step ``plan`` (no state change)."""
+        return (self.offloaded is not None and self.offloaded.steps_since_rerank + 1 >= self.settings.rerank_interval
+                and self._full_page_width(plan) > 0)
+
+    def finish_graphed_step(self, plan: AppendPlan) -> None:
+        """The host bookkeeping of a graphed step that no device work reads (lengths, counters, rerank phase): may
+        run while the GPU replays the step."""
         self.logical_length += 1
-        self._recorded_rerank = self._start_decode_step(plan, in_graph=True) > 0
-        self._recorded_launch, storage_key = self._graph_step(plan)
+        self._count_decode_step(plan)
         self._advance(plan, 1)
+
+    def graph_storage_key(self, plan: AppendPlan) -> tuple:
+        """The storage a recorded decode of the step ``plan`` reads (see :meth:`begin_graphed_step`)."""
+        return self._graph_launch(plan)[1]
+
+    def _graph_launch(self, plan: AppendPlan) -> tuple[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+                                                       tuple]:
+        launch, storage_key = self._graph_step(plan)
         if self.offloaded is not None:  # what the rerank reads and writes besides the launch's storage
             offloaded = self.offloaded
             storage_key += tuple((t.data_ptr(), t.shape) for t in (
                 offloaded.host.k, offloaded.host.v, offloaded.selected, offloaded.selected_scores))
-        return self._recorded_rerank, storage_key
+        return launch, storage_key
 
     def _record_decode(self, chunk: attention.StagedChunk, query: torch.Tensor, rows_query: torch.Tensor
                        ) -> torch.Tensor:
@@ -398,6 +432,21 @@ class FlexiLayer(CacheLayerMixin):
         graph.load(keys, values, rows_query)
         return graph.run(lambda: launch(graph.keys, graph.values, graph.query), storage_key)
 
+    def _device_step(self, plan: AppendPlan) -> tuple[Any, StepInputs]:
+        """The step's inputs on the device, shared by the layers of a device (the first layer's call makes them):
+        the backend's plan (FlashInfer) and the :class:`StepInputs`."""
+        planned = self.backend.prepare(self._decode_layout(plan), self.graph.query.shape[1], self.head_dim,
+                                       self.settings.page_size, self.settings.pages_per_head, self.dtype, self.scale)
+        if self.device not in self.step_inputs:
+            self.step_inputs[self.device] = StepInputs(self.batch_size, self.device)
+        return planned, self.step_inputs[self.device].load(plan)
+
+    def prepare_device_step(self, plan: AppendPlan) -> bool:
+        """:meth:`_device_step` for ``plan``; returns whether its buffers are those this layer's last recorded
+        launch reads (``False``: a graph recorded before would read stale ones)."""
+        planned, step = self._device_step(plan)
+        return self._launch is not None and self._launch[0][0] is planned and self._launch[0][1] is step
+
     def _graph_step(self, plan: AppendPlan) -> tuple[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
                                                      tuple]:
         """This step's device work (token append, scoring, selection, sparse FlashInfer decode into the layer's
@@ -405,12 +454,8 @@ class FlexiLayer(CacheLayerMixin):
         ``[B * H, G, D]``, and the key of the storage it reads; plans the step (once per step)."""
         from flexicache.backends.triton_select import append_token, decode_table, scores_buffer
 
-        graph, pages_per_head = self.graph, self.settings.pages_per_head
-        planned = self.backend.prepare(self._decode_layout(plan), graph.query.shape[1], self.head_dim,
-                                       self.settings.page_size, pages_per_head, self.dtype, self.scale)
-        if self.device not in self.step_inputs:
-            self.step_inputs[self.device] = StepInputs(self.batch_size, self.device)
-        step = self.step_inputs[self.device].load(plan)
+        graph = self.graph
+        planned, step = self._device_step(plan)
         # Reuse the last step's launch while nothing it reads was replaced (the tuple keeps those objects alive,
         # so an identity match means the same storage): building it costs more host time than the GPU work.
         reads = (planned, step, self.pool.k, self.pool.v, self.meta.kmin, self.meta.kmax,
@@ -693,6 +738,33 @@ class FlexiCache(DynamicCache):
         """Host side of the next decode step (all layers); its device work must then run from a graph recorded
         under :meth:`recording`. Returns the key of that work (reranking layers and the storage it reads)."""
         return tuple(layer.begin_graphed_step() for layer in self.layers)
+
+    def prepare_replay(self, storage: tuple) -> tuple[tuple[bool, ...], AppendPlan] | None:
+        """Before replaying a recorded step whose graphs read ``storage`` (the storage part of the last
+        :meth:`begin_graphed_step`): the device side of the next step's host work (its shared inputs; where it
+        opens pages, the layers' reservations), leaving the rest to :meth:`finish_replay`, which may run while the
+        GPU replays.
+
+        Returns:
+            ``(which layers rerank their stable heads, the step's plan)``, or ``None`` when a graph recorded for
+            ``storage`` would read stale buffers (the caller then takes :meth:`begin_graphed_step`, which does not
+            repeat the reservations made here).
+        """
+        layers = self.layers
+        plan = layers[0].graphed_step_plan()
+        if not layers[0].prepare_device_step(plan):
+            return None
+        if plan.num_new_pages:  # only a step that opens pages reserves, and only a reservation can reallocate
+            for layer in layers:
+                layer.reserve_graphed_step(plan)
+            if tuple(layer.graph_storage_key(plan) for layer in layers) != storage:
+                return None
+        return tuple(layer.rerank_due(plan) for layer in layers), plan
+
+    def finish_replay(self, plan: AppendPlan) -> None:
+        """The host bookkeeping of a step prepared by :meth:`prepare_replay` that no device work reads."""
+        for layer in self.layers:
+            layer.finish_graphed_step(plan)
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:

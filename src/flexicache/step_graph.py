@@ -57,6 +57,7 @@ class StepGraphStore:
     def __init__(self) -> None:
         self.steps: dict[tuple, RecordedStep] = {}
         self.storage: tuple | None = None
+        self.chunk: int | None = None  # the cache's chunk count after the last step run here
         self.pool: tuple | None = None  # one memory pool shared by the graphs (replayed one at a time)
         self.captures = 0
         self.replays = 0
@@ -66,6 +67,7 @@ class StepGraphStore:
         """Drop every graph (their storage is gone: cache reset, rebuild or growth)."""
         self.steps.clear()
         self.storage = None
+        self.chunk = None
         self.pool = None
 
 
@@ -122,20 +124,34 @@ def run_graphed_step(cache: FlexiCache, key: tuple, tensors: dict[str, torch.Ten
 
     Does the step's host bookkeeping, then replays the graph recorded for ``key`` (what the caller's work depends
     on, e.g. input shapes) and the step's rerank phase, after copying ``tensors`` (the step's inputs) into its
-    static inputs; or, for a new key, runs ``forward(static inputs)`` once and records it.
+    static inputs; or, for a new key, runs ``forward(static inputs)`` once and records it. When the previous
+    decode step also ran here, only the bookkeeping the device reads precedes the replay; the rest runs while
+    the GPU works (:meth:`FlexiCache.prepare_replay`).
 
     Returns:
         ``forward``'s output, its tensors copied (the next replay overwrites the recorded ones).
     """
-    rerank, storage = zip(*cache.begin_graphed_step())
     store = cache.step_graphs
+    if store.storage is not None and store.chunk == cache.sequence.num_chunks:  # nothing appended since
+        prepared = cache.prepare_replay(store.storage)
+        recorded = store.steps.get((key, prepared[0])) if prepared is not None else None
+        if recorded is not None:
+            output = _replay(store, recorded, tensors)
+            cache.finish_replay(prepared[1])
+            store.chunk = cache.sequence.num_chunks
+            return output
+    rerank, storage = zip(*cache.begin_graphed_step())
     if storage != store.storage:  # something reallocated: the recorded graphs read freed memory
         store.clear()
         store.storage = storage
     key = (key, rerank)
     recorded = store.steps.get(key)
-    if recorded is None:
-        return _record(store, key, cache, tensors, forward)
+    output = _record(store, key, cache, tensors, forward) if recorded is None else _replay(store, recorded, tensors)
+    store.chunk = cache.sequence.num_chunks
+    return output
+
+
+def _replay(store: StepGraphStore, recorded: RecordedStep, tensors: dict[str, torch.Tensor]) -> Any:
     for name, tensor in tensors.items():
         recorded.inputs[name].copy_(tensor)
     recorded.graph.replay()
