@@ -6,7 +6,7 @@ the sizes), puts its cache on the graph path with the CUDA-only parts replaced (
 FlashInfer by the torch stand-in of tests/test_triton_interpreted.py, whose ``prepare`` copies more than
 FlashInfer's does when the plan is reused), and times ``graphed_step_ready()`` + ``begin_graphed_step()`` over 64
 steps, then the split a replayed step takes after another one: ``graphed_step_ready()`` + ``prepare_replay()``
-(before the replay) and ``finish_replay()`` (after it, while the GPU works).
+(before the replay) and ``finish_replay()`` + ``prepare_next_step()`` (after it, while the GPU works).
 
 Usage: ``PYTHONPATH=src python eval/begin_step_host_time.py [--layers 32] [--batch 8] [--profile]``
 """
@@ -85,7 +85,7 @@ def main() -> None:
         print(f"begin step, {args.layers} layers, batch {args.batch}: p50 {1e3 * times[32]:.3f} ms, p90 "
               f"{1e3 * times[57]:.3f} ms, {1e6 * times[32] / args.layers:.1f} us per layer (p50)")
         # A step that replays a recorded graph after another one: prepare_replay before the replay (the GPU waits
-        # for it), finish_replay after it (overlapping the replay on a GPU).
+        # for it), finish_replay and prepare_next_step after it (overlapping the replay on a GPU).
         _, storage = zip(*flexi.begin_graphed_step())
         before_replay, after_replay = [], []
         for _ in range(64):
@@ -97,9 +97,10 @@ def main() -> None:
                 _, storage = zip(*flexi.begin_graphed_step())
             else:
                 flexi.finish_replay(prepared[1])
+            flexi.prepare_next_step()
             before_replay.append(middle - start)
             after_replay.append(time.perf_counter() - middle)
-        for name, times in (("prepare_replay", before_replay), ("finish_replay", after_replay)):
+        for name, times in (("prepare_replay", before_replay), ("finish_replay + prepare_next_step", after_replay)):
             times.sort()
             print(f"{name}: p50 {1e3 * times[32]:.3f} ms, p90 {1e3 * times[57]:.3f} ms, "
                   f"{1e6 * times[32] / args.layers:.1f} us per layer (p50)")

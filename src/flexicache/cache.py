@@ -731,6 +731,12 @@ class FlexiCache(DynamicCache):
             return False
         page_size = self.settings.page_size
         next_pages = (int(self.sequence.num_tokens_host.max()) + page_size) // page_size  # after one more token
+        if self.step_graphs.storage is not None and self.step_graphs.chunk == self.sequence.num_chunks:
+            # The last step ran from a graph and nothing came since: only the capacity can have run out.
+            from flexicache.backends.triton_select import fits_fused_table
+
+            capacities = {layer.meta.kmin.shape[2] for layer in layers}
+            return all(fits_fused_table(grown_size(capacity, next_pages)) for capacity in capacities)
         return (all(layer.graphed_step_ready(next_pages) for layer in layers) and layers[0].device.type == "cuda"
                 and all(layer.device == layers[0].device for layer in layers))
 
@@ -765,6 +771,14 @@ class FlexiCache(DynamicCache):
         """The host bookkeeping of a step prepared by :meth:`prepare_replay` that no device work reads."""
         for layer in self.layers:
             layer.finish_graphed_step(plan)
+
+    def prepare_next_step(self) -> None:
+        """Right after a graphed step is launched: the next decode step's plan and shared device inputs, made while
+        the GPU works (their device writes queue behind the launched step). No state a caller sees changes: the
+        next step takes them over if it is a decode step (:meth:`SequenceState.peek_decode_plan`), any other call
+        recomputes its own."""
+        first = self.layers[0]
+        first.prepare_device_step(self.sequence.peek_decode_plan(first.device))
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:

@@ -98,6 +98,7 @@ class SequenceState:
         self.num_tokens_host: torch.Tensor | None = None  # [B] long, on the CPU
         self.num_chunks = 0
         self.last_plan: AppendPlan | None = None
+        self.next_decode_plan: AppendPlan | None = None  # peek_decode_plan's, for chunk number num_chunks
 
     @property
     def batch_size(self) -> int:
@@ -134,12 +135,22 @@ class SequenceState:
             )
         self._store_validity(valid, length)
         before, before_host = self.num_tokens.to(device), self.num_tokens_host
-        if valid is None and length == 1:
+        peeked, self.next_decode_plan = self.next_decode_plan, None
+        if valid is None and length == 1 and peeked is not None and peeked.batch.device == device:
+            plan = peeked  # computed from this same state by peek_decode_plan
+        elif valid is None and length == 1:
             plan = self._decode_plan(before, before_host, device)
         else:
             plan = self._chunk_plan(valid, before, before_host, length, device)
         self.num_tokens, self.num_tokens_host = plan.after, plan.after_host
         return plan
+
+    def peek_decode_plan(self, device: torch.device) -> AppendPlan:
+        """The plan the next chunk gets if it is one real token per request (a decode step), computed now without
+        changing the state: :meth:`plan_chunk` takes it over unless another chunk comes first."""
+        if self.next_decode_plan is None:
+            self.next_decode_plan = self._decode_plan(self.num_tokens.to(device), self.num_tokens_host, device)
+        return self.next_decode_plan
 
     def _chunk_plan(self, valid: torch.Tensor | None, before: torch.Tensor, before_host: torch.Tensor, length: int,
                     device: torch.device) -> AppendPlan:

@@ -125,8 +125,9 @@ def run_graphed_step(cache: FlexiCache, key: tuple, tensors: dict[str, torch.Ten
     Does the step's host bookkeeping, then replays the graph recorded for ``key`` (what the caller's work depends
     on, e.g. input shapes) and the step's rerank phase, after copying ``tensors`` (the step's inputs) into its
     static inputs; or, for a new key, runs ``forward(static inputs)`` once and records it. When the previous
-    decode step also ran here, only the bookkeeping the device reads precedes the replay; the rest runs while
-    the GPU works (:meth:`FlexiCache.prepare_replay`).
+    decode step also ran here, only the bookkeeping the device reads precedes the replay, most of it made while
+    the previous step ran on the GPU (:meth:`FlexiCache.prepare_next_step`); the rest runs while this one does
+    (:meth:`FlexiCache.prepare_replay`, :meth:`FlexiCache.finish_replay`).
 
     Returns:
         ``forward``'s output, its tensors copied (the next replay overwrites the recorded ones).
@@ -139,6 +140,7 @@ def run_graphed_step(cache: FlexiCache, key: tuple, tensors: dict[str, torch.Ten
             output = _replay(store, recorded, tensors)
             cache.finish_replay(prepared[1])
             store.chunk = cache.sequence.num_chunks
+            cache.prepare_next_step()
             return output
     rerank, storage = zip(*cache.begin_graphed_step())
     if storage != store.storage:  # something reallocated: the recorded graphs read freed memory
@@ -148,6 +150,8 @@ def run_graphed_step(cache: FlexiCache, key: tuple, tensors: dict[str, torch.Ten
     recorded = store.steps.get(key)
     output = _record(store, key, cache, tensors, forward) if recorded is None else _replay(store, recorded, tensors)
     store.chunk = cache.sequence.num_chunks
+    if store.disabled is None:
+        cache.prepare_next_step()
     return output
 
 

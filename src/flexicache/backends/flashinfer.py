@@ -65,6 +65,7 @@ class FlashInferBackend:
         self._flashinfer = flashinfer
         self._plan_key: tuple | None = None
         self._current: PlannedDecode | None = None
+        self._plan_staged: torch.cuda.Event | None = None  # recorded after the last plan()'s copy to the device
 
     def _tensor_cores(self, group: int) -> bool:
         if self.use_tensor_cores is not None:
@@ -107,11 +108,18 @@ class FlashInferBackend:
             planned.last_page_len.copy_(layout.row_last_page_len_host.pin_memory(), non_blocking=True)
         else:
             total = int(layout.row_indptr_host[-1])
+            # plan() stages its schedule in one page-locked buffer and copies it to the device asynchronously: the
+            # last plan's copy must have left that buffer (a plan may be made while earlier steps still run).
+            if self._plan_staged is not None:
+                self._plan_staged.synchronize()
             planned.wrapper.plan(
                 layout.row_indptr_host, planned.indices[:total], layout.row_last_page_len_host,
                 group, 1, head_dim, page_size, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
             )
             planned.planned_for = (settings, layout.row_indptr_host)
+            if self.device.type == "cuda":
+                self._plan_staged = torch.cuda.Event()
+                self._plan_staged.record()
         self._plan_key, self._current = key, planned
         return planned
 

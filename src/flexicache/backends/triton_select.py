@@ -44,17 +44,23 @@ def _order_key(scores):
 
 @triton.jit
 def _top_keys(key, valid, count):
-    """Mask of the ``count`` largest of the ``valid`` int64 ``key``s (ties go to the lower index), by bisecting
-    the ``count``-th largest key: the largest ``t`` with ``#(key >= t) >= count``."""
-    low = tl.full([], -2147483648, tl.int64)
-    high = tl.full([], 2147483647, tl.int64)
-    for _ in range(32):
+    """Mask of the ``count`` largest of the ``valid`` int64 ``key``s (ties go to the lower index; at least
+    ``count`` keys valid), by bisecting the ``count``-th largest key: the largest ``t`` with
+    ``#(key >= t) >= count``, between the smallest and largest valid key. A ``t`` with exactly ``count`` keys at or
+    above it ends the search early: those keys are the answer whatever ``t`` is (no tie at the boundary)."""
+    low = tl.min(tl.where(valid, key, 2147483647), axis=0)
+    high = tl.max(tl.where(valid, key, -2147483648), axis=0)
+    while low < high:
         middle = (low + high + 1) // 2
-        if tl.sum((valid & (key >= middle)).to(tl.int32)) >= count:
+        above = tl.sum((valid & (key >= middle)).to(tl.int32), axis=0)
+        if above > count:
             low = middle
+        elif above == count:
+            low = middle
+            high = middle
         else:
             high = middle - 1
-    ties_wanted = count - tl.sum((valid & (key > low)).to(tl.int32))
+    ties_wanted = count - tl.sum((valid & (key > low)).to(tl.int32), axis=0)
     tie = valid & (key == low)
     return valid & ((key > low) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= ties_wanted)))
 
