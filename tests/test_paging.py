@@ -104,6 +104,28 @@ def test_decode_plan_is_the_general_plan_of_one_token(counts: list[int], page_si
     assert fast.is_single_token and general.is_single_token
 
 
+@given(counts=st.lists(st.integers(1, 40), min_size=1, max_size=4), chunks=st.lists(st.integers(1, 3), max_size=6),
+       peek=st.lists(st.booleans(), min_size=6, max_size=6))
+def test_a_peeked_decode_plan_is_taken_over_only_by_the_next_decode_step(counts, chunks, peek) -> None:
+    """peek_decode_plan changes nothing a caller sees: the next decode step takes the peeked plan (same writes as
+    computing it then), a chunk of several tokens in between discards it, and lengths stay as without peeking."""
+    cpu = torch.device("cpu")
+    peeking, plain = SequenceState(4), SequenceState(4)
+    valid = torch.ones(len(counts), max(counts), dtype=torch.bool)
+    valid[:, : max(counts)] = torch.arange(max(counts)) >= (max(counts) - torch.tensor(counts)).unsqueeze(1)
+    for state in (peeking, plain):
+        state.plan_chunk(0, valid, len(counts), valid.shape[1], cpu)
+    for index, length in enumerate([1, *chunks, 1, 1]):
+        peeked = peeking.peek_decode_plan(cpu) if peek[index % len(peek)] else None
+        assert peeking.num_chunks == plain.num_chunks and torch.equal(peeking.num_tokens, plain.num_tokens)
+        got = peeking.plan_chunk(peeking.num_chunks, None, len(counts), length, cpu)
+        expected = plain.plan_chunk(plain.num_chunks, None, len(counts), length, cpu)
+        assert (got is peeked) == (peeked is not None and length == 1)
+        for name in ("page", "offset", "new_page_batch", "new_page_index", "before", "after", "after_host"):
+            assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    assert torch.equal(peeking.logical_valid(), plain.logical_valid())
+
+
 def test_resident_pages_and_metadata_unit():
     state = SequenceState(page_size=2)
     pool = PagePool(2, 3, torch.float64, torch.device("cpu"))
