@@ -695,6 +695,7 @@ class FlexiCache(DynamicCache):
         ]
         Cache.__init__(self, layers=layers)
         self.step_graphs = StepGraphStore()  # whole-step CUDA graphs of this cache (flexicache.step_graph)
+        self._next_reranks: tuple[AppendPlan, tuple[bool, ...]] | None = None  # prepare_next_step's, for its plan
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, profile: HeadProfile | str | os.PathLike | None = None,
@@ -719,6 +720,7 @@ class FlexiCache(DynamicCache):
         self.sequence.reset()
         self.step_inputs.clear()
         self.step_graphs.clear()
+        self._next_reranks = None
         super().reset()
 
     # ------------------------------------------------------------------------------- whole-step CUDA graphs
@@ -765,7 +767,12 @@ class FlexiCache(DynamicCache):
                 layer.reserve_graphed_step(plan)
             if tuple(layer.graph_storage_key(plan) for layer in layers) != storage:
                 return None
-        return tuple(layer.rerank_due(plan) for layer in layers), plan
+        ahead = self._next_reranks
+        reranks = ahead[1] if ahead is not None and ahead[0] is plan else self._reranks_due(plan)
+        return reranks, plan
+
+    def _reranks_due(self, plan: AppendPlan) -> tuple[bool, ...]:
+        return tuple(layer.rerank_due(plan) for layer in self.layers)
 
     def finish_replay(self, plan: AppendPlan) -> None:
         """The host bookkeeping of a step prepared by :meth:`prepare_replay` that no device work reads."""
@@ -778,7 +785,9 @@ class FlexiCache(DynamicCache):
         next step takes them over if it is a decode step (:meth:`SequenceState.peek_decode_plan`), any other call
         recomputes its own."""
         first = self.layers[0]
-        first.prepare_device_step(self.sequence.peek_decode_plan(first.device))
+        plan = self.sequence.peek_decode_plan(first.device)
+        first.prepare_device_step(plan)
+        self._next_reranks = (plan, self._reranks_due(plan))  # the rerank phase only moves with a step
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
