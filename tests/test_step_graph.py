@@ -66,6 +66,21 @@ def test_detached_copies_every_tensor_of_an_output() -> None:
     assert nested[0] is not logits and nested[1][0] is not logits and nested[2] is None
 
 
+def test_a_step_of_another_batch_size_runs_eagerly_and_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-token step whose batch differs from the cache's never reaches a graph (whose kernels would index past
+    the cache's per-request buffers): the eager path refuses it with the cache's own message."""
+    from flexicache import step_graph
+
+    model = tiny_model()
+    cache = FlexiCache.from_model(model, token_budget=32)
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, 256, (2, 40)), past_key_values=cache)
+    monkeypatch.setattr(FlexiCache, "graphed_step_ready", lambda self: True)  # as if on the GPU path
+    monkeypatch.setattr(step_graph, "run_graphed_step", lambda *args: pytest.fail("a graph ran the step"))
+    with torch.inference_mode(), pytest.raises(ValueError, match="holds a batch of 2 requests, got 3"):
+        model(input_ids=torch.randint(0, 256, (3, 1)), past_key_values=cache)
+
+
 def test_a_forward_that_cannot_be_captured_falls_back_to_eager_steps(monkeypatch) -> None:
     """A capture that fails (e.g. the forward reads a device value on the host) keeps the step's eager output,
     warns once and switches the cache to eager steps; nothing half-recorded stays."""

@@ -755,8 +755,9 @@ class FlexiCache(DynamicCache):
 
         Returns:
             ``(which layers rerank their stable heads, the step's plan)``, or ``None`` when a graph recorded for
-            ``storage`` would read stale buffers (the caller then takes :meth:`begin_graphed_step`, which does not
-            repeat the reservations made here).
+            ``storage`` would read stale buffers. Either way the step has begun (its plan is taken, pages are
+            reserved): after ``None`` the caller must take :meth:`begin_graphed_step` (which does not repeat the
+            reservations) and record or replay.
         """
         layers = self.layers
         plan = layers[0].graphed_step_plan()

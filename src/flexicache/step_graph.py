@@ -87,6 +87,7 @@ class StepGraphs:
         input_ids = kwargs.get("input_ids")
         if (args or cache is None or input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1
                 or kwargs.get("inputs_embeds") is not None or cache.step_graphs.disabled is not None
+                or input_ids.shape[0] != cache.sequence.batch_size  # the eager path says what is wrong
                 or not cache.graphed_step_ready()):
             return self.eager_forward(*args, **kwargs)
         recorded_kwargs = {name: value for name, value in kwargs.items() if name != "attention_mask"}

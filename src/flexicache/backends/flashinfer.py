@@ -117,9 +117,9 @@ class FlashInferBackend:
                 group, 1, head_dim, page_size, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
             )
             planned.planned_for = (settings, layout.row_indptr_host)
-            if self.device.type == "cuda":
-                self._plan_staged = torch.cuda.Event()
-                self._plan_staged.record()
+            if self.device.type == "cuda":  # on this device's stream, where plan() queued its copy
+                self._plan_staged = self._plan_staged or torch.cuda.Event()
+                self._plan_staged.record(torch.cuda.current_stream(self.device))
         self._plan_key, self._current = key, planned
         return planned
 

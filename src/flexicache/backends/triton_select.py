@@ -31,7 +31,7 @@ MAX_SCORED_PAGES = 16384  # pages per row the selection holds in registers (262k
 # Launch settings measured on the H200 (eval/gpu_kernel_sweep.py, BENCHMARKS.md): 32k context, batch 8.
 SCORE_BLOCK = 32  # pages per scoring program
 SCORE_WARPS = 4
-TABLE_WARPS = 8  # most warps of a selection program (fewer for short rows)
+TABLE_WARPS = 8  # most warps of a selection program over up to 4096 pages (fewer for short rows)
 
 
 @triton.jit
@@ -219,8 +219,9 @@ class TableInputs:
 
 
 def selection_warps(block_scores: int) -> int:
-    """Warps of a program that selects from a row of ``block_scores`` scores (``TABLE_WARPS`` at most)."""
-    return max(4, min(TABLE_WARPS, block_scores // 256))
+    """Warps of a program that selects from a row of ``block_scores`` scores: one per 256 scores, 4 to 16, and at
+    most ``TABLE_WARPS`` up to 4096 scores (measured there; longer rows keep 16)."""
+    return max(4, min(TABLE_WARPS if block_scores <= 4096 else 16, block_scores // 256))
 
 
 def fits_fused_table(meta_capacity: int) -> bool:
