@@ -7,6 +7,7 @@ subprocess: this file is both the test module and the script it runs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -43,6 +44,10 @@ def test_graph_path_replays_what_it_captured() -> None:
 
 def test_whole_step_graphs_replay_what_they_recorded() -> None:
     run_interpreted("step")
+
+
+def test_caches_sharing_the_flashinfer_backend_interleave_graphed_steps() -> None:
+    run_interpreted("interleave")
 
 
 def tiny_model():
@@ -230,16 +235,47 @@ class FlashInferStandIn:
     def run_prepared(self, planned, query, pool_k, pool_v, out):
         self.launches.append(("flashinfer", query.data_ptr(), pool_k.data_ptr(), pool_k.shape, out.data_ptr(),
                               planned.indices.data_ptr(), self.scale))
-        page_size, head_dim = pool_k.shape[1:]
-        for row in range(query.shape[0]):
-            start, end = int(planned.indptr[row]), int(planned.indptr[row + 1])
-            slots = planned.indices[start:end].long()
-            length = (end - start - 1) * page_size + int(planned.last_page_len[row])
-            keys = pool_k[slots].reshape(-1, head_dim)[:length].float()
-            values = pool_v[slots].reshape(-1, head_dim)[:length].float()
-            weights = torch.softmax(query[row].float() @ keys.T * self.scale, dim=-1)
-            out[row] = (weights @ values).to(out.dtype)
-        return out
+        return listed_pages_attention(query, pool_k, pool_v, planned, self.scale, out)
+
+
+def listed_pages_attention(query, pool_k, pool_v, planned, scale: float, out):
+    """What FlashInfer's paged decode computes: each row of ``query [R, G, D]`` over the pool pages listed for it in
+    ``planned`` (``indices[indptr[r]:indptr[r + 1]]``, the last with ``last_page_len[r]`` tokens)."""
+    page_size, head_dim = pool_k.shape[1:]
+    for row in range(query.shape[0]):
+        start, end = int(planned.indptr[row]), int(planned.indptr[row + 1])
+        slots = planned.indices[start:end].long()
+        length = (end - start - 1) * page_size + int(planned.last_page_len[row])
+        keys = pool_k[slots].reshape(-1, head_dim)[:length].float()
+        values = pool_v[slots].reshape(-1, head_dim)[:length].float()
+        weights = torch.softmax(query[row].float() @ keys.T * scale, dim=-1)
+        out[row] = (weights @ values).to(out.dtype)
+    return out
+
+
+class DecodeWrapperStandIn:
+    """FlashInfer's CUDA-graph-mode ``BatchDecodeWithPagedKVCacheWrapper`` in torch, for the real
+    :class:`~flexicache.backends.flashinfer.FlashInferBackend`: ``plan`` writes the layout into the fixed buffers,
+    ``run`` reads them (as a replayed graph does) and counts plans."""
+
+    plans = 0
+
+    def __init__(self, workspace, kv_layout, use_cuda_graph, use_tensor_cores, paged_kv_indptr_buffer,
+                 paged_kv_indices_buffer, paged_kv_last_page_len_buffer, backend) -> None:
+        self.indptr, self.indices = paged_kv_indptr_buffer, paged_kv_indices_buffer
+        self.last_page_len = paged_kv_last_page_len_buffer
+        self.scale = None
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, q_data_type,
+             kv_data_type, sm_scale) -> None:
+        self.indptr.copy_(indptr)
+        self.last_page_len.copy_(last_page_len)
+        self.scale = sm_scale
+        DecodeWrapperStandIn.plans += 1
+
+    def run(self, query, cache, out=None):
+        out = torch.empty_like(query) if out is None else out
+        return listed_pages_attention(query, cache[0].squeeze(2), cache[1].squeeze(2), self, self.scale, out)
 
 
 def check_graph() -> None:
@@ -371,40 +407,32 @@ def host_state(flexi) -> list:
     return state
 
 
-def check_step() -> None:
-    """Whole-step CUDA graphs emulated on CPU tensors (Triton kernels interpreted, FlashInfer replaced by the torch
-    stand-in). A "capture" runs the prepared step once and records every op's external reads; a "replay" runs the
-    recorded forward again and must read exactly the same storage (nothing per-step baked in) without changing any
-    host state (a real replay runs no Python). Through left padding, two requests opening pages at the same steps,
-    reranks at every phase, promotions, tail retirements, growth while steps replay (4-token pages: checked to
-    happen), a crop, a continued generate and a hand-written decode loop, the tokens must equal the torch reference
-    path's."""
-    from flexicache import FlexiCache, HeadProfile, cache, decode_graph, step_graph
-    from flexicache.backends import triton_rerank, triton_select, triton_transfer
-    from flexicache.evaluation.generation import greedy_generate
+class EmulatedGraph:
+    """A recorded whole step on the CPU: a replay runs the recorded forward again in recording mode and notes in
+    ``problems`` any read that differs from the recording's (something a real graph would read stale) or any
+    host-state change (a real replay runs no Python)."""
 
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    for module in (triton_select, triton_transfer, triton_rerank):
-        ExternalReads.record_launches(module)
-    problems: list = []
+    def __init__(self, run_forward, flexi, reads, problems: list) -> None:
+        self.run_forward, self.flexi, self.reads, self.problems, self.recorded = run_forward, flexi, reads, problems, None
+        # What a real graph bakes in: each layer's recorded work (a replay may follow a step whose host work was done
+        # by prepare_replay, which leaves these as the last recording set them).
+        self.layer_work = [(layer._recorded_rerank, layer._recorded_launch) for layer in flexi.layers]
 
-    class EmulatedGraph:
-        def __init__(self, run_forward, flexi, reads) -> None:
-            self.run_forward, self.flexi, self.reads, self.recorded = run_forward, flexi, reads, None
-            # What a real graph bakes in: each layer's recorded work (a replay may follow a step whose host work
-            # was done by prepare_replay, which leaves these as the last recording set them).
-            self.layer_work = [(layer._recorded_rerank, layer._recorded_launch) for layer in flexi.layers]
+    def replay(self) -> None:
+        before = host_state(self.flexi)
+        for layer, (rerank, launch) in zip(self.flexi.layers, self.layer_work):
+            layer._recorded_rerank, layer._recorded_launch = rerank, launch
+        with ExternalReads() as mode, self.flexi.recording():
+            self.recorded.output = self.run_forward()
+        if mode.reads != self.reads:
+            self.problems.append(next((i, a, b) for i, (a, b) in enumerate(zip(mode.reads, self.reads)) if a != b))
+        if host_state(self.flexi) != before:
+            self.problems.append(("host state changed", before, host_state(self.flexi)))
 
-        def replay(self) -> None:
-            before = host_state(self.flexi)
-            for layer, (rerank, launch) in zip(self.flexi.layers, self.layer_work):
-                layer._recorded_rerank, layer._recorded_launch = rerank, launch
-            with ExternalReads() as mode, self.flexi.recording():
-                self.recorded.output = self.run_forward()
-            if mode.reads != self.reads:
-                problems.append(next((i, a, b) for i, (a, b) in enumerate(zip(mode.reads, self.reads)) if a != b))
-            if host_state(self.flexi) != before:
-                problems.append(("host state changed", before, host_state(self.flexi)))
+
+def emulated_recording(problems: list):
+    """A stand-in for ``step_graph._record`` that records an :class:`EmulatedGraph`."""
+    from flexicache import step_graph
 
     def record(store, key, flexi, tensors, forward):
         inputs = {name: tensor.clone() for name, tensor in tensors.items()}
@@ -412,15 +440,22 @@ def check_step() -> None:
         with ExternalReads() as mode, flexi.recording():
             output = forward(inputs)
         assert host_state(flexi) == before
-        graph = EmulatedGraph(lambda: forward(inputs), flexi, mode.reads)
+        graph = EmulatedGraph(lambda: forward(inputs), flexi, mode.reads, problems)
         store.steps[key] = graph.recorded = step_graph.RecordedStep(graph, inputs, output)
         store.captures += 1
         return output
 
-    model = tiny_model()
-    profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
-    ids, mask = padded_batch()
-    ids, mask = torch.cat([ids, ids[:1]]), torch.cat([mask, mask[:1]])  # two requests open pages at the same steps
+    return record
+
+
+@contextlib.contextmanager
+def graph_path_on_cpu(make_backend, record):
+    """Route new caches through the whole-step graph path on CPU tensors: the layers take the CUDA path's kernels
+    (interpreted) with ``make_backend()`` for FlashInfer and zero-copy transfers, each layer's graph runs its launch,
+    ``record`` stands in for ``step_graph._record``; readiness is the real check after a graphed step (only the
+    capacity) and the layers' check without the CUDA device test before one."""
+    from flexicache import cache, decode_graph, step_graph
+
     original = (cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run,
                 cache.FlexiCache.graphed_step_ready, step_graph._record)
 
@@ -432,38 +467,69 @@ def check_step() -> None:
             self.offloaded.counters.promoted_pages = torch.zeros((), dtype=torch.long)
             self.offloaded.counters.bytes_h2d = torch.zeros((), dtype=torch.long)
 
-    def graphed_step_ready(self):  # the CUDA device check left out
-        next_pages = (int(self.sequence.num_tokens_host.max()) + 16) // 16
+    def graphed_step_ready(self):
+        if self.step_graphs.storage is not None and self.step_graphs.chunk == self.sequence.num_chunks:
+            return original[3](self)
+        page_size = self.settings.page_size
+        next_pages = (int(self.sequence.num_tokens_host.max()) + page_size) // page_size
         return self.settings.cuda_graphs and all(layer.graphed_step_ready(next_pages) for layer in self.layers)
 
+    cache.resolve_backend = lambda name, device, dtype, head_dim: make_backend()
+    cache.FlexiLayer.lazy_initialization = lazy_initialization
+    decode_graph.DecodeGraph.run = lambda self, launch, storage_key: (launch(), self.output)[1]
+    cache.FlexiCache.graphed_step_ready = graphed_step_ready
+    step_graph._record = record
+    try:
+        yield
+    finally:
+        (cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run,
+         cache.FlexiCache.graphed_step_ready, step_graph._record) = original
+
+
+def check_step() -> None:
+    """Whole-step CUDA graphs emulated on CPU tensors (Triton kernels interpreted, FlashInfer replaced by the torch
+    stand-in). A "capture" runs the prepared step once and records every op's external reads; a "replay" runs the
+    recorded forward again and must read exactly the same storage (nothing per-step baked in) without changing any
+    host state (a real replay runs no Python). Through left padding, two requests opening pages at the same steps,
+    reranks at every phase, promotions, tail retirements, growth while steps replay (4-token pages: checked to
+    happen), a crop, a continued generate and a hand-written decode loop, the tokens must equal the torch reference
+    path's."""
+    from flexicache import FlexiCache, HeadProfile
+    from flexicache.backends import triton_rerank, triton_select, triton_transfer
+    from flexicache.evaluation.generation import greedy_generate
+
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    for module in (triton_select, triton_transfer, triton_rerank):
+        ExternalReads.record_launches(module)
+    problems: list = []
+
+    record = emulated_recording(problems)
+
+    model = tiny_model()
+    profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
+    ids, mask = padded_batch()
+    ids, mask = torch.cat([ids, ids[:1]]), torch.cat([mask, mask[:1]])  # two requests open pages at the same steps
     tokens, stats = {}, {}
     for mode in ("step graphs", "reference"):
-        if mode == "step graphs":
-            cache.resolve_backend = lambda name, device, dtype, head_dim: FlashInferStandIn([])
-            cache.FlexiLayer.lazy_initialization = lazy_initialization
-            decode_graph.DecodeGraph.run = lambda self, launch, storage_key: (launch(), self.output)[1]
-            cache.FlexiCache.graphed_step_ready = graphed_step_ready
-            step_graph._record = record
-        else:
-            (cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run,
-             cache.FlexiCache.graphed_step_ready, step_graph._record) = original
-        flexi = FlexiCache.from_model(model, profile=profile, token_budget=32, page_size=4, rerank_interval=4)
-        finished = []  # steps whose host work was split around the replay (prepare_replay / finish_replay)
-        finish_replay = flexi.finish_replay
-        flexi.finish_replay = lambda plan: (finished.append(plan.num_new_pages), finish_replay(plan))[1]
-        grew = []
-        clear = flexi.step_graphs.clear
-        flexi.step_graphs.clear = lambda: (  # note the clears of a storage change (not those of a reset)
-            grew.append(flexi.step_graphs.replays) if sys._getframe(1).f_code.co_name == "run_graphed_step" else None,
-            clear())[1]
-        with torch.inference_mode():
-            first, second = generate_crop_continue(model, flexi, ids, mask, first_tokens=90)
-            # A hand-written decode loop passes no positions: the step graphs must make them step inputs.
-            alone = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4)
-            loop = greedy_generate(model, ids[0].tolist(), alone, max_new_tokens=24, stop_ids=set())
-        tokens[mode], stats[mode] = (first, second, torch.tensor(loop)), flexi.stats()
-        stats[mode]["grew"], stats[mode]["finished"] = grew, finished
-        stats[mode]["loop_replays"] = alone.stats()["step_graph_replays"]
+        graph_path = graph_path_on_cpu(lambda: FlashInferStandIn([]), record)
+        with graph_path if mode == "step graphs" else contextlib.nullcontext():
+            flexi = FlexiCache.from_model(model, profile=profile, token_budget=32, page_size=4, rerank_interval=4)
+            finished = []  # steps whose host work was split around the replay (prepare_replay / finish_replay)
+            finish_replay = flexi.finish_replay
+            flexi.finish_replay = lambda plan: (finished.append(plan.num_new_pages), finish_replay(plan))[1]
+            grew = []
+            clear = flexi.step_graphs.clear
+            flexi.step_graphs.clear = lambda: (  # note the clears of a storage change (not those of a reset)
+                grew.append(flexi.step_graphs.replays)
+                if sys._getframe(1).f_code.co_name == "run_graphed_step" else None, clear())[1]
+            with torch.inference_mode():
+                first, second = generate_crop_continue(model, flexi, ids, mask, first_tokens=90)
+                # A hand-written decode loop passes no positions: the step graphs must make them step inputs.
+                alone = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4)
+                loop = greedy_generate(model, ids[0].tolist(), alone, max_new_tokens=24, stop_ids=set())
+            tokens[mode], stats[mode] = (first, second, torch.tensor(loop)), flexi.stats()
+            stats[mode]["grew"], stats[mode]["finished"] = grew, finished
+            stats[mode]["loop_replays"] = alone.stats()["step_graph_replays"]
     graphed = stats["step graphs"]
     assert not problems, problems[:1]
     assert graphed["grew"], "no buffer grew while steps replayed: growth and re-recording went untested"
@@ -475,7 +541,57 @@ def check_step() -> None:
     assert all(torch.equal(a, b) for a, b in zip(tokens["step graphs"], tokens["reference"]))
 
 
+def check_interleave() -> None:
+    """Two caches of different lengths share the process's FlashInfer backend (the real ``FlashInferBackend`` over a
+    torch stand-in of FlashInfer's wrapper) and alternate whole-step graphed decode steps, with the CUDA-core plan
+    reuse and with the tensor-core kernel's plan at every step: each step must plan for its own cache before its
+    replay (the other cache re-planned the shared buffers in between), replays must read what they recorded, and
+    each cache's tokens must equal its own reference-path run."""
+    import types
+
+    from flexicache import FlexiCache, HeadProfile
+    from flexicache.backends import triton_rerank, triton_select, triton_transfer
+    from flexicache.backends.flashinfer import FlashInferBackend
+
+    sys.modules["flashinfer"] = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=DecodeWrapperStandIn)
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    for module in (triton_select, triton_transfer, triton_rerank):
+        ExternalReads.record_launches(module)
+    problems: list = []
+    profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
+    torch.manual_seed(1)
+    prompts = {"A": torch.randint(0, 512, (3, 150)), "B": torch.randint(0, 512, (3, 141))}
+
+    def decode(order: list[str]) -> tuple[dict, dict]:
+        model = tiny_model()
+        caches = {name: FlexiCache.from_model(model, profile=profile, token_budget=32, page_size=4,
+                                              rerank_interval=4) for name in prompts}
+        tokens: dict[str, list] = {name: [] for name in prompts}
+        with torch.inference_mode():
+            last = {name: model(input_ids=ids, past_key_values=caches[name]).logits[:, -1].argmax(-1)
+                    for name, ids in prompts.items()}
+            for name in order:
+                tokens[name].append(last[name])
+                logits = model(input_ids=last[name][:, None], past_key_values=caches[name]).logits
+                last[name] = logits[:, -1].argmax(-1)
+        return {name: torch.stack(t, 1) for name, t in tokens.items()}, {n: c.stats() for n, c in caches.items()}
+
+    steps = 24
+    reference, _ = decode(["A"] * steps + ["B"] * steps)
+    for tensor_cores in (False, True):
+        shared = FlashInferBackend(torch.device("cpu"), use_tensor_cores=tensor_cores)
+        plans_before = DecodeWrapperStandIn.plans
+        with graph_path_on_cpu(lambda shared=shared: shared, emulated_recording(problems)):
+            tokens, stats = decode(["A", "B"] * steps)
+        assert not problems, problems[:1]
+        assert all(stats[name]["step_graph_replays"] >= steps // 2 for name in prompts), stats
+        plans = DecodeWrapperStandIn.plans - plans_before  # tensor cores: every step; CUDA cores: page counts change
+        assert plans >= 2 * steps if tensor_cores else plans < steps, (tensor_cores, plans)
+        assert all(torch.equal(tokens[name], reference[name]) for name in prompts), tensor_cores
+
+
 if __name__ == "__main__":
     checks = {"table": check_table, "transfers": check_transfers, "rerank": check_rerank, "graph": check_graph,
-              "step": check_step}
+              "step": check_step, "interleave": check_interleave}
     checks[sys.argv[1]]()
