@@ -11,6 +11,11 @@ FlexiCache whose layers all run the CUDA path goes:
 2. the step's inputs (``input_ids``, ``position_ids``, ...) copied into static buffers, then one replay of a CUDA
    graph of the whole forward.
 
+When the previous decode step also ran from a graph and nothing came between, step 1 shrinks to what the device
+reads (:meth:`FlexiCache.prepare_replay`: the step's plan and static inputs, made while the previous step ran on the
+GPU by :meth:`FlexiCache.prepare_next_step`; the layers' reservations only at a step that opens pages), and the rest
+of the bookkeeping (:meth:`FlexiCache.finish_replay`) runs after the replay is launched, while the GPU works.
+
 A graph is recorded for every new key: the shapes of the inputs, the other arguments, which layers rerank their
 stable heads at this step (``rerank_interval`` phases) and the storage of every buffer the recorded work reads
 (anything that reallocates, e.g. a page pool that grows, drops the cache's graphs and records again). At a step
