@@ -253,7 +253,7 @@ def stable_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tens
         _score_pages_kernel[(rows, triton.cdiv(width, SCORE_BLOCK))](
             query.contiguous(), kmin, kmax, num_tokens, heads, scores, heads.numel(), kmin.shape[1], kmin.shape[2],
             width, K=0, PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_P=SCORE_BLOCK,
-            REDUCE_SUM=group_reduce == "sum", STABLE_RERANK=True,
+            REDUCE_SUM=group_reduce == "sum", STABLE_RERANK=True, num_warps=SCORE_WARPS,
         )
     return scores
 
