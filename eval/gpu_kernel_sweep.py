@@ -24,7 +24,7 @@ import torch
 from flexicache import FlexiCache, attention
 from flexicache.backends import triton_select
 from flexicache.backends.flashinfer import FlashInferBackend
-from flexicache.benchmarks.attention import Module, Shape, random_profile
+from flexicache.benchmarks.attention import Module, Shape, prefilled_cache
 
 REPEATS = 20
 
@@ -58,14 +58,8 @@ def warm_layer(context: int, batch: int, steps: int) -> FlexiCache:
     """A one-layer cache of ``context`` random tokens after ``steps`` decode steps (layer by layer)."""
     shape = Shape(num_layers=1)
     torch.manual_seed(0)
-    cache = FlexiCache(shape.config(), profile=random_profile(shape, 0.25), token_budget=1024)
-    query = torch.randn(batch, shape.num_kv_heads * shape.group, 1, shape.head_dim, dtype=torch.bfloat16,
-                        device="cuda")
-    keys = torch.randn(batch, shape.num_kv_heads, context, shape.head_dim, dtype=torch.bfloat16, device="cuda")
-    layer = cache.layers[0]
-    layer.update(keys, torch.randn_like(keys))
-    layer.commit(attention._take(0), query, None)
-    module = Module(0, shape)
+    cache, query = prefilled_cache(shape, batch, context)
+    layer, module = cache.layers[0], Module(0, shape)
     for _ in range(steps):
         token = torch.randn(batch, shape.num_kv_heads, 1, shape.head_dim, dtype=torch.bfloat16, device="cuda")
         out_keys, out_values = layer.update(token, torch.randn_like(token))

@@ -22,8 +22,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flexicache import FlexiCache, attention
-from flexicache.benchmarks.attention import Module, Shape, random_profile
+from flexicache import attention
+from flexicache.benchmarks.attention import Module, Shape, prefilled_cache
 from flexicache.step_graph import run_graphed_step
 
 
@@ -35,16 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     shape, batch = Shape(num_layers=args.layers), args.batch
     torch.manual_seed(0)
-    cache = FlexiCache(shape.config(), profile=random_profile(shape, 0.25), token_budget=1024)
-    query = torch.randn(batch, shape.num_kv_heads * shape.group, 1, shape.head_dim, dtype=torch.bfloat16,
-                        device="cuda")
-    for index in range(args.layers):  # prefill layer by layer, one layer's KV on the device at a time
-        keys = torch.randn(batch, shape.num_kv_heads, args.context, shape.head_dim, dtype=torch.bfloat16,
-                           device="cuda")
-        layer = cache.layers[index]
-        layer.update(keys, torch.randn_like(keys))
-        layer.commit(attention._take(index), query, None)
-        del keys
+    cache, query = prefilled_cache(shape, batch, args.context)
     modules = [Module(index, shape) for index in range(args.layers)]
     token = torch.randn(batch, shape.num_kv_heads, 1, shape.head_dim, dtype=torch.bfloat16, device="cuda")
 

@@ -68,6 +68,22 @@ def random_profile(shape: Shape, fraction: float, seed: int = 0) -> HeadProfile:
     return HeadProfile(shape.num_layers, shape.num_kv_heads, shape.head_dim, unstable)
 
 
+def prefilled_cache(shape: Shape, batch: int, context: int, budget: int = 1024, unstable_fraction: float = 0.25
+                    ) -> tuple[FlexiCache, torch.Tensor]:
+    """A FlexiCache over ``shape``'s attention layers (random profile) holding ``context`` random bf16 tokens x
+    ``batch`` on CUDA, prefilled layer by layer (one layer's KV on the device at a time), and the query
+    ``[B, Hq, 1, D]`` that seeded the stable heads' selection (for the GPU profiling scripts under ``eval/``)."""
+    cache = FlexiCache(shape.config(), profile=random_profile(shape, unstable_fraction), token_budget=budget)
+    query = torch.randn(batch, shape.num_kv_heads * shape.group, 1, shape.head_dim, dtype=torch.bfloat16,
+                        device="cuda")
+    for index, layer in enumerate(cache.layers):
+        keys = torch.randn(batch, shape.num_kv_heads, context, shape.head_dim, dtype=torch.bfloat16, device="cuda")
+        layer.update(keys, torch.randn_like(keys))
+        layer.commit(attention._take(index), query, None)
+        del keys
+    return cache, query
+
+
 def time_steps(step: Callable[[int], None], first: int, steps: int, device: torch.device) -> dict[str, float]:
     """Median, mean and p99 step ms and median host-issue ms of ``step(first)`` ... ``step(first + steps - 1)``.
 
