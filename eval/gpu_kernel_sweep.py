@@ -6,9 +6,10 @@ Builds one Llama-3.1-8B-shaped attention layer (8 KV heads, group 4, head dim 12
 on that state, each from a CUDA graph of 20 launches (launch overhead excluded, as in a whole-step graph):
 
 - the unstable rows' page scoring (``_score_pages_kernel``) per pages-per-program block and warp count;
-- the selection + page list (``_decode_table_kernel``) per warp count;
+- the selection + page list (``_decode_table_kernel``) per warp count and thresholds per search round;
 - the per-layer copy of the step's token and query into the layer's static buffers (``DecodeGraph.load``);
-- FlashInfer's sparse decode with the CUDA-core and the tensor-core kernel on the same page list.
+- FlashInfer's sparse decode with the CUDA-core and the tensor-core kernel on the same page list, then on random
+  pools per GQA group and row count (:func:`flashinfer_shapes`).
 
 Usage: ``python eval/gpu_kernel_sweep.py [--context 32768] [--batch 8] [--out sweep.json]``
 """
@@ -16,6 +17,7 @@ Usage: ``python eval/gpu_kernel_sweep.py [--context 32768] [--batch 8] [--out sw
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections.abc import Callable
 
@@ -69,6 +71,38 @@ def warm_layer(context: int, batch: int, steps: int) -> FlexiCache:
     return cache
 
 
+def flashinfer_shapes(page_size: int, pages_per_head: int, head_dim: int) -> list[dict[str, float]]:
+    """FlashInfer's CUDA-core vs tensor-core sparse decode (plans reused, as at a decode step at the budget) per
+    GQA group and row count (rows = requests x 8 KV heads), each row ``pages_per_head`` random pages of a random
+    pool: which kernel to pick per shape."""
+    from flexicache.backends import build_decode_layout
+
+    results = []
+    for group in (1, 2, 4, 8):
+        for rows in (16, 64, 256):
+            pool_k = torch.randn(rows * pages_per_head, page_size, head_dim, dtype=torch.bfloat16, device="cuda")
+            pool_v = torch.randn_like(pool_k)
+            query = torch.randn(rows, group, head_dim, dtype=torch.bfloat16, device="cuda")
+            layout = build_decode_layout(torch.full((rows // 8,), 32768), 8, pages_per_head, page_size)
+            indices = torch.randperm(pool_k.shape[0], device="cuda").to(torch.int32)
+            row: dict[str, float] = {"group": group, "rows": rows}
+            outputs = {}
+            for name, tensor_cores in (("cuda_core", False), ("tensor_core", True)):
+                backend = FlashInferBackend(torch.device("cuda"), use_tensor_cores=tensor_cores)
+                planned = backend.prepare(layout, group, head_dim, page_size, pages_per_head, torch.bfloat16,
+                                          head_dim**-0.5)
+                planned.indices[:-1].copy_(indices)
+                outputs[name] = torch.empty_like(query)
+                row[f"{name}_us"] = graph_us(functools.partial(FlashInferBackend.run_prepared, planned, query, pool_k,
+                                                               pool_v, out=outputs[name]))
+            row["max_abs_difference"] = float((outputs["cuda_core"].float() - outputs["tensor_core"].float()).abs()
+                                              .max())
+            results.append(row)
+            print(f"flashinfer group {group} rows {rows:3d}: cuda cores {row['cuda_core_us']:6.2f} us, tensor cores "
+                  f"{row['tensor_core_us']:6.2f} us, max |difference| {row['max_abs_difference']:.4f}", flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=32768)
@@ -83,7 +117,8 @@ def main() -> None:
     scores = graph.scores
     results: dict[str, object] = {"context": args.context, "batch": args.batch, "gpu": torch.cuda.get_device_name(),
                                   "meta_capacity": inputs.kmin.shape[2], "score": {}, "table": {}}
-    defaults = (triton_select.SCORE_BLOCK, triton_select.SCORE_WARPS, triton_select.TABLE_WARPS)
+    defaults = (triton_select.SCORE_BLOCK, triton_select.SCORE_WARPS, triton_select.TABLE_WARPS,
+                triton_select.SEARCH_WAYS)
 
     triton_select.score_unstable_pages(inputs, scores)
     reference_scores = scores.clone()
@@ -104,14 +139,16 @@ def main() -> None:
     triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)
     reference_indices = planned.indices.clone()
     for warps in (4, 8, 16):  # fewer warps were 2-4x slower at 32k on the H200 (session 7)
-        triton_select.TABLE_WARPS = warps
-        planned.indices.fill_(-7)
-        triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)
-        same = bool(torch.equal(planned.indices[:-1], reference_indices[:-1]))
-        us = graph_us(lambda: triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr))
-        results["table"][f"warps{warps}"] = {"us": us, "same_pages": same}
-        print(f"table warps {warps:2d}: {us:7.2f} us  same {same}", flush=True)
-    triton_select.TABLE_WARPS = defaults[2]
+        for ways in (2, 4, 8, 16):
+            triton_select.TABLE_WARPS, triton_select.SEARCH_WAYS = warps, ways
+            planned.indices.fill_(-7)
+            triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)
+            same = bool(torch.equal(planned.indices[:-1], reference_indices[:-1]))
+            us = graph_us(lambda: triton_select.list_pages(inputs, scores, flat=planned.indices,
+                                                           indptr=planned.indptr))
+            results["table"][f"warps{warps}_ways{ways}"] = {"us": us, "same_pages": same}
+            print(f"table warps {warps:2d} ways {ways:2d}: {us:7.2f} us  same {same}", flush=True)
+    triton_select.TABLE_WARPS, triton_select.SEARCH_WAYS = defaults[2:]
     triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)
 
     token = torch.randn(args.batch, layer.num_kv_heads, 1, layer.head_dim, dtype=layer.dtype, device="cuda")
@@ -136,6 +173,8 @@ def main() -> None:
         "max_abs_difference": float((cuda_core.float() - tensor_core_out.float()).abs().max()),
     }
     print(f"flashinfer: {results['flashinfer']}", flush=True)
+    results["flashinfer_shapes"] = flashinfer_shapes(layer.settings.page_size, layer.settings.pages_per_head,
+                                                     layer.head_dim)
 
     if args.out:
         with open(args.out, "w") as handle:

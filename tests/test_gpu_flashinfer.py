@@ -59,6 +59,39 @@ def test_flashinfer_matches_reference(group: int, head_dim: int) -> None:
         assert relative_error(result, expected) <= 1e-2
 
 
+@pytest.mark.parametrize("tensor_cores", [False, True])
+@pytest.mark.parametrize("batch", [4, 66])
+def test_reused_plan_decodes_later_last_page_lengths(tensor_cores: bool, batch: int) -> None:
+    """Steps whose rows list as many pages as the planned step (rows at the budget) skip ``plan()`` and only refresh
+    the last pages' lengths: each such step decodes exactly as a freshly planned backend does, and as the fp64
+    reference within bf16 error (66 requests x 4 heads: more rows than FlashInfer's split-KV batch)."""
+    from flexicache.backends.flashinfer import FlashInferBackend
+
+    torch.manual_seed(batch)
+    device, page_size, pages_per_head, num_kv_heads, group, head_dim = torch.device("cuda"), 16, 64, 4, 4, 128
+    rows = batch * num_kv_heads
+    pool_k = torch.randn(rows * pages_per_head, page_size, head_dim, device=device, dtype=torch.bfloat16)
+    pool_v = torch.randn_like(pool_k)
+    slots = torch.randperm(pool_k.shape[0], device=device).view(rows, pages_per_head)
+    query = torch.randn(rows, group, head_dim, device=device, dtype=torch.bfloat16)
+    reused = FlashInferBackend(device, use_tensor_cores=tensor_cores)
+    first_tokens = torch.randint(pages_per_head * page_size + 1, 8 * pages_per_head * page_size, (batch,))
+    plans = []
+    for step in range(0, 17, 4):  # every last-page length moves; the page counts stay at the budget
+        layout = build_decode_layout(first_tokens + step, num_kv_heads, pages_per_head, page_size)
+        page_lens = torch.full((rows, pages_per_head), page_size, dtype=torch.long)
+        page_lens[:, -1] = layout.row_last_page_len_host.long()
+        args = (query, pool_k, pool_v, slots, page_lens.to(device), 128**-0.5, layout)
+        result = reused.paged_decode(*args)
+        plans.append(reused._current.planned_for)
+        fresh = FlashInferBackend(device, use_tensor_cores=tensor_cores).paged_decode(*args)
+        assert torch.equal(result, fresh), step
+        expected = ReferenceBackend().paged_decode(*[a.double() if torch.is_tensor(a) and a.is_floating_point()
+                                                     else a for a in args])
+        assert relative_error(result, expected) <= 1e-2, step
+    assert all(plan is plans[0] for plan in plans)  # planned once
+
+
 def tiny_model(group: int = 4) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=128 * group, intermediate_size=512, num_hidden_layers=4,

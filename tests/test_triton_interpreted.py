@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 
 def run_interpreted(check: str) -> None:
@@ -28,6 +29,10 @@ def run_interpreted(check: str) -> None:
 
 def test_fused_decode_table_matches_torch_table() -> None:
     run_interpreted("table")
+
+
+def test_top_k_search_matches_a_stable_sort() -> None:
+    run_interpreted("topk")
 
 
 def test_zero_copy_transfers_match_torch_indexing() -> None:
@@ -107,6 +112,46 @@ def check_table() -> None:
                     for layer in cache.layers:
                         expected = listed_pages(layer._decode_table(rows_query, layer.plan))
                         assert listed_pages(layer._fused_table(rows_query, layer.plan)) == expected, (unstable, reduce)
+
+
+@triton.jit
+def _top_k_kernel(scores_ptr, chosen_ptr, n, count, BLOCK: tl.constexpr, WAYS: tl.constexpr):
+    """``chosen[i] = 1`` for the ``count`` largest of ``scores[:n]`` as the selection kernels choose them."""
+    from flexicache.backends.triton_select import _order_key, _top_keys
+
+    page = tl.arange(0, BLOCK)
+    valid = page < n
+    key = _order_key(tl.load(scores_ptr + page, mask=valid, other=0.0)).to(tl.int64)
+    tl.store(chosen_ptr + page, _top_keys(key, valid, count, WAYS).to(tl.int8))
+
+
+def check_topk() -> None:
+    """The top-K search of the selection kernels picks what a stable descending sort picks (ties to the lower
+    index), for every number of thresholds per round, on rows with heavy ties, +-inf, +-0, huge and tiny
+    magnitudes, all-equal rows and counts from 1 to the row length."""
+    generator = torch.Generator().manual_seed(0)
+    specials = torch.tensor([float("inf"), float("-inf"), 0.0, -0.0, 3.4e38, -3.4e38, 1e-45, -1e-45, 1.0, -1.0])
+    block = 64
+    for case in range(60):
+        n = int(torch.randint(1, block + 1, (1,), generator=generator))
+        kind = case % 4
+        if kind == 0:  # few distinct values: ties at the boundary
+            scores = torch.randint(-2, 3, (n,), generator=generator).float()
+        elif kind == 1:
+            scores = specials[torch.randint(0, len(specials), (n,), generator=generator)]
+        elif kind == 2:
+            scores = torch.randn(n, generator=generator) * 10.0 ** float(torch.randint(-30, 30, (1,), generator=generator))
+        else:
+            scores = torch.full((n,), float(torch.randn(1, generator=generator)))
+        padded = torch.zeros(block)
+        padded[:n] = scores
+        for count in sorted({1, n, int(torch.randint(1, n + 1, (1,), generator=generator))}):
+            expected = torch.zeros(block, dtype=torch.int8)
+            expected[torch.sort(scores, descending=True, stable=True).indices[:count]] = 1
+            for ways in (2, 4, 8, 16):
+                chosen = torch.full((block,), -1, dtype=torch.int8)
+                _top_k_kernel[(1,)](padded, chosen, n, count, BLOCK=block, WAYS=ways)
+                assert torch.equal(chosen, expected), (case, count, ways, scores.tolist())
 
 
 def check_transfers() -> None:
@@ -543,10 +588,10 @@ def check_step() -> None:
 
 def check_interleave() -> None:
     """Two caches of different lengths share the process's FlashInfer backend (the real ``FlashInferBackend`` over a
-    torch stand-in of FlashInfer's wrapper) and alternate whole-step graphed decode steps, with the CUDA-core plan
-    reuse and with the tensor-core kernel's plan at every step: each step must plan for its own cache before its
-    replay (the other cache re-planned the shared buffers in between), replays must read what they recorded, and
-    each cache's tokens must equal its own reference-path run."""
+    torch stand-in of FlashInfer's wrapper) and alternate whole-step graphed decode steps, with the CUDA-core and
+    the tensor-core kernel (both reuse a plan while the page counts stay): each step must plan for its own cache
+    before its replay (the other cache re-planned the shared buffers in between), replays must read what they
+    recorded, and each cache's tokens must equal its own reference-path run."""
     import types
 
     from flexicache import FlexiCache, HeadProfile
@@ -586,12 +631,12 @@ def check_interleave() -> None:
             tokens, stats = decode(["A", "B"] * steps)
         assert not problems, problems[:1]
         assert all(stats[name]["step_graph_replays"] >= steps // 2 for name in prompts), stats
-        plans = DecodeWrapperStandIn.plans - plans_before  # tensor cores: every step; CUDA cores: page counts change
-        assert plans >= 2 * steps if tensor_cores else plans < steps, (tensor_cores, plans)
+        plans = DecodeWrapperStandIn.plans - plans_before  # where the page counts change (or the other cache planned)
+        assert plans < steps, (tensor_cores, plans)
         assert all(torch.equal(tokens[name], reference[name]) for name in prompts), tensor_cores
 
 
 if __name__ == "__main__":
-    checks = {"table": check_table, "transfers": check_transfers, "rerank": check_rerank, "graph": check_graph,
+    checks = {"table": check_table, "topk": check_topk, "transfers": check_transfers, "rerank": check_rerank, "graph": check_graph,
               "step": check_step, "interleave": check_interleave}
     checks[sys.argv[1]]()

@@ -68,7 +68,7 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, head_di
     return ReferenceBackend()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shared_flashinfer(device: torch.device) -> DecodeBackend:
     """One FlashInfer backend (workspace, wrappers, plan) per device, shared by every cache of the process."""
     from flexicache.backends.flashinfer import FlashInferBackend

@@ -91,10 +91,11 @@ class FlashInferBackend:
                 dtype: torch.dtype, scale: float) -> PlannedDecode:
         """Plan the step once (every layer of the step passes the same ``layout``) and return its buffers.
 
-        The CUDA-core decode kernel's plan depends on the rows' page counts, not on their last pages' lengths (read
-        from the device buffer at run time): a step whose page counts equal the plan's (e.g. every row at the
-        budget) only refreshes that buffer, skipping ``plan()`` (0.3-0.9 ms of host time). The tensor-core kernel
-        plans with the token counts, so it re-plans at every step.
+        FlashInfer's plans (both kernels) depend on the rows' page counts, not on their last pages' lengths, which
+        the kernels read from the device buffer at run time (the tensor-core plan splits each row into chunks of
+        whole pages, so a row's chunk count does not change with its last page either): a step whose page counts
+        equal the plan's (e.g. every row at the budget) only refreshes that buffer, skipping ``plan()`` (0.3-0.9 ms
+        of host time).
         """
         tensor_cores = self._tensor_cores(group)
         settings = (group, head_dim, page_size, pages_per_head, dtype, scale, tensor_cores)
@@ -104,7 +105,7 @@ class FlashInferBackend:
         planned = self._planned_step(layout.row_last_page_len_host.numel(), pages_per_head, tensor_cores)
         same_pages = (planned.planned_for is not None and planned.planned_for[0] == settings
                       and torch.equal(planned.planned_for[1], layout.row_indptr_host))
-        if same_pages and not tensor_cores:
+        if same_pages:
             planned.last_page_len.copy_(layout.row_last_page_len_host.pin_memory(), non_blocking=True)
         else:
             total = int(layout.row_indptr_host[-1])
