@@ -6,7 +6,7 @@ Builds one Llama-3.1-8B-shaped attention layer (8 KV heads, group 4, head dim 12
 on that state, each from a CUDA graph of 20 launches (launch overhead excluded, as in a whole-step graph):
 
 - the unstable rows' page scoring (``_score_pages_kernel``) per pages-per-program block and warp count;
-- the selection + page list (``_decode_table_kernel``) per warp count and thresholds per search round;
+- the selection + page list (``_decode_table_kernel``) per warp count;
 - the per-layer copy of the step's token and query into the layer's static buffers (``DecodeGraph.load``);
 - FlashInfer's sparse decode with the CUDA-core and the tensor-core kernel on the same page list, then on random
   pools per GQA group and row count (:func:`flashinfer_shapes`).
@@ -117,8 +117,7 @@ def main() -> None:
     scores = graph.scores
     results: dict[str, object] = {"context": args.context, "batch": args.batch, "gpu": torch.cuda.get_device_name(),
                                   "meta_capacity": inputs.kmin.shape[2], "score": {}, "table": {}}
-    defaults = (triton_select.SCORE_BLOCK, triton_select.SCORE_WARPS, triton_select.TABLE_WARPS,
-                triton_select.SEARCH_WAYS)
+    defaults = (triton_select.SCORE_BLOCK, triton_select.SCORE_WARPS, triton_select.TABLE_WARPS)
 
     triton_select.score_unstable_pages(inputs, scores)
     reference_scores = scores.clone()
@@ -139,16 +138,14 @@ def main() -> None:
     triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)
     reference_indices = planned.indices.clone()
     for warps in (4, 8, 16):  # fewer warps were 2-4x slower at 32k on the H200 (session 7)
-        for ways in (2, 4, 8, 16):
-            triton_select.TABLE_WARPS, triton_select.SEARCH_WAYS = warps, ways
-            planned.indices.fill_(-7)
-            triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)
-            same = bool(torch.equal(planned.indices[:-1], reference_indices[:-1]))
-            us = graph_us(lambda: triton_select.list_pages(inputs, scores, flat=planned.indices,
-                                                           indptr=planned.indptr))
-            results["table"][f"warps{warps}_ways{ways}"] = {"us": us, "same_pages": same}
-            print(f"table warps {warps:2d} ways {ways:2d}: {us:7.2f} us  same {same}", flush=True)
-    triton_select.TABLE_WARPS, triton_select.SEARCH_WAYS = defaults[2:]
+        triton_select.TABLE_WARPS = warps
+        planned.indices.fill_(-7)
+        triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)
+        same = bool(torch.equal(planned.indices[:-1], reference_indices[:-1]))
+        us = graph_us(lambda: triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr))
+        results["table"][f"warps{warps}"] = {"us": us, "same_pages": same}
+        print(f"table warps {warps:2d}: {us:7.2f} us  same {same}", flush=True)
+    triton_select.TABLE_WARPS = defaults[2]
     triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)
 
     token = torch.randn(args.batch, layer.num_kv_heads, 1, layer.head_dim, dtype=layer.dtype, device="cuda")

@@ -39,21 +39,22 @@ def prepare(backend: FlashInferBackend, num_tokens: list[int], group: int = 4, s
     return backend.prepare(layout, group, 64, 16, 4, torch.bfloat16, scale), layout
 
 
-def test_same_page_counts_refresh_the_last_pages_without_a_plan(backend: FlashInferBackend) -> None:
-    planned, _ = prepare(backend, [100, 70])  # 4 pages each (the budget)
+@pytest.mark.parametrize("group", [2, 4, 7], ids=["cuda-cores", "tensor-cores", "tensor-cores-only"])
+def test_same_page_counts_refresh_the_last_pages_without_a_plan(backend: FlashInferBackend, group: int) -> None:
+    planned, _ = prepare(backend, [100, 70], group=group)  # 4 pages each (the budget)
     assert len(planned.wrapper.plans) == 1
     for tokens in ([101, 71], [112, 80], [113, 81]):  # still 4 pages each, tails of 1..16 tokens
-        again, layout = prepare(backend, tokens)
+        again, layout = prepare(backend, tokens, group=group)
         assert again is planned and len(planned.wrapper.plans) == 1
         assert torch.equal(planned.last_page_len, layout.row_last_page_len_host)
 
 
-def test_new_page_counts_settings_or_tensor_cores_plan_again(backend: FlashInferBackend) -> None:
+def test_new_page_counts_settings_or_kernel_plan_again(backend: FlashInferBackend) -> None:
     planned, _ = prepare(backend, [20, 70])  # 2 and 4 pages
     prepare(backend, [33, 71])  # the first row grows to 3 pages
     assert len(planned.wrapper.plans) == 2
     prepare(backend, [34, 72], scale=0.2)  # other settings
     assert len(planned.wrapper.plans) == 3
-    tensor_cores, _ = prepare(backend, [100, 70], group=7)  # no CUDA-core kernel for group 7
-    prepare(backend, [101, 71], group=7)
-    assert tensor_cores is not planned and len(tensor_cores.wrapper.plans) == 2
+    cuda_cores, _ = prepare(backend, [34, 72], group=2)  # the CUDA-core kernel: its own wrapper and plan
+    assert cuda_cores is not planned and len(cuda_cores.wrapper.plans) == 1
+    assert not backend._tensor_cores(2) and backend._tensor_cores(4) and backend._tensor_cores(7)

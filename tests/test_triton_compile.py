@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
 backends = pytest.importorskip("triton.backends.compiler")
 
-from flexicache.backends import triton_rerank, triton_select, triton_transfer
+from flexicache.backends import triton_rerank, triton_select, triton_transfer  # noqa: E402
 
 BF16_POINTERS = ("query_ptr", "kmin_ptr", "kmax_ptr", "keys_ptr", "values_ptr", "pool_k_ptr", "pool_v_ptr",
                  "src_k_ptr", "src_v_ptr", "dst_k_ptr", "dst_v_ptr", "host_k_ptr", "host_v_ptr")
@@ -48,12 +48,11 @@ def test_score_pages_kernel_compiles(reduce_sum: bool, stable_rerank: bool) -> N
 
 
 @pytest.mark.parametrize("write_table, write_flat", [(False, True), (True, False)])
-@pytest.mark.parametrize("block_s", [4096, 16384])
-def test_decode_table_kernel_compiles(write_table: bool, write_flat: bool, block_s: int) -> None:
+def test_decode_table_kernel_compiles(write_table: bool, write_flat: bool) -> None:
     flat = {"flat_ptr": "*i32", "indptr_ptr": "*i32"} if write_flat else {}
     compile_for_hopper(triton_select._decode_table_kernel,
-                       dict(K=64, PAGE_SIZE=16, BLOCK_K=64, BLOCK_S=block_s, WAYS=triton_select.SEARCH_WAYS,
-                            WRITE_TABLE=write_table, WRITE_FLAT=write_flat), {"scores_ptr": "*fp32", **flat})
+                       dict(K=64, PAGE_SIZE=16, BLOCK_K=64, BLOCK_S=4096, WRITE_TABLE=write_table,
+                            WRITE_FLAT=write_flat), {"scores_ptr": "*fp32", **flat})
 
 
 def test_append_token_kernel_compiles() -> None:
@@ -83,8 +82,7 @@ def test_open_pages_kernel_compiles(num_heads: int) -> None:
 @pytest.mark.parametrize("slots, block_s", [(63, 2048), (3, 16384)])
 def test_rerank_kernel_compiles(slots: int, block_s: int) -> None:
     compile_for_hopper(triton_rerank._rerank_kernel,
-                       dict(SLOTS=slots, BLOCK_K=triton.next_power_of_2(slots), BLOCK_S=block_s,
-                            WAYS=triton_select.SEARCH_WAYS),
+                       dict(SLOTS=slots, BLOCK_K=triton.next_power_of_2(slots), BLOCK_S=block_s),
                        {"scores_ptr": "*fp32", "selected_scores_ptr": "*fp32", "copy_mask_ptr": "*i8"})
 
 

@@ -115,20 +115,20 @@ def check_table() -> None:
 
 
 @triton.jit
-def _top_k_kernel(scores_ptr, chosen_ptr, n, count, BLOCK: tl.constexpr, WAYS: tl.constexpr):
+def _top_k_kernel(scores_ptr, chosen_ptr, n, count, BLOCK: tl.constexpr):
     """``chosen[i] = 1`` for the ``count`` largest of ``scores[:n]`` as the selection kernels choose them."""
     from flexicache.backends.triton_select import _order_key, _top_keys
 
     page = tl.arange(0, BLOCK)
     valid = page < n
     key = _order_key(tl.load(scores_ptr + page, mask=valid, other=0.0)).to(tl.int64)
-    tl.store(chosen_ptr + page, _top_keys(key, valid, count, WAYS).to(tl.int8))
+    tl.store(chosen_ptr + page, _top_keys(key, valid, count).to(tl.int8))
 
 
 def check_topk() -> None:
     """The top-K search of the selection kernels picks what a stable descending sort picks (ties to the lower
-    index), for every number of thresholds per round, on rows with heavy ties, +-inf, +-0, huge and tiny
-    magnitudes, all-equal rows and counts from 1 to the row length."""
+    index), on rows with heavy ties, +-inf, +-0, huge and tiny magnitudes, all-equal rows and counts from 1 to the
+    row length."""
     generator = torch.Generator().manual_seed(0)
     specials = torch.tensor([float("inf"), float("-inf"), 0.0, -0.0, 3.4e38, -3.4e38, 1e-45, -1e-45, 1.0, -1.0])
     block = 64
@@ -148,10 +148,9 @@ def check_topk() -> None:
         for count in sorted({1, n, int(torch.randint(1, n + 1, (1,), generator=generator))}):
             expected = torch.zeros(block, dtype=torch.int8)
             expected[torch.sort(scores, descending=True, stable=True).indices[:count]] = 1
-            for ways in (2, 4, 8, 16):
-                chosen = torch.full((block,), -1, dtype=torch.int8)
-                _top_k_kernel[(1,)](padded, chosen, n, count, BLOCK=block, WAYS=ways)
-                assert torch.equal(chosen, expected), (case, count, ways, scores.tolist())
+            chosen = torch.full((block,), -1, dtype=torch.int8)
+            _top_k_kernel[(1,)](padded, chosen, n, count, BLOCK=block)
+            assert torch.equal(chosen, expected), (case, count, scores.tolist())
 
 
 def check_transfers() -> None:

@@ -17,6 +17,9 @@ from flexicache.backends.base import DecodeLayout
 
 WORKSPACE_BYTES = 128 * 2**20
 CUDA_CORE_GROUP_SIZES = (1, 2, 4, 8)  # group sizes FlashInfer's CUDA-core decode kernel is built for
+# Measured on the H200 (eval/gpu_kernel_sweep.py, 64 pages per row): the tensor-core kernel is 1.4-2.4x faster from
+# a group of 4 at 64+ rows, about even at 16 rows, slower for groups 1-2 (up to 1.5x at 16 rows).
+TENSOR_CORES_FROM_GROUP = 4
 
 
 def flashinfer_available() -> bool:
@@ -49,8 +52,8 @@ class FlashInferBackend:
 
     Args:
         device: CUDA device.
-        use_tensor_cores: ``None`` picks per group size (tensor cores when the CUDA-core kernel lacks the group
-            size or the group is large); ``True``/``False`` forces.
+        use_tensor_cores: ``None`` picks per group size (tensor cores from a group of 4 query heads per KV head,
+            and where the CUDA-core kernel lacks the group size); ``True``/``False`` forces.
     """
 
     name = "flashinfer"
@@ -70,7 +73,7 @@ class FlashInferBackend:
     def _tensor_cores(self, group: int) -> bool:
         if self.use_tensor_cores is not None:
             return self.use_tensor_cores
-        return group not in CUDA_CORE_GROUP_SIZES or group >= 8
+        return group not in CUDA_CORE_GROUP_SIZES or group >= TENSOR_CORES_FROM_GROUP
 
     def _planned_step(self, rows: int, pages_per_head: int, tensor_cores: bool) -> PlannedDecode:
         """The CUDA-graph-mode wrapper (and its static buffers) for ``rows`` rows of at most ``pages_per_head``."""

@@ -14,14 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from flexicache.backends.triton_select import MAX_SCORED_PAGES, SEARCH_WAYS, _order_key, _top_keys, selection_warps
+from flexicache.backends.triton_select import MAX_SCORED_PAGES, _order_key, _top_keys, selection_warps
 from flexicache.backends.triton_transfer import copy_pages
 
 
 @triton.jit(do_not_specialize=["scores_stride", "base", "host_pages_per_row"])
 def _rerank_kernel(scores_ptr, num_full_ptr, selected_ptr, selected_scores_ptr, new_pages_ptr, copy_src_ptr,
                    copy_dst_ptr, copy_mask_ptr, promoted_ptr, scores_stride, base, host_pages_per_row,
-                   SLOTS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, WAYS: tl.constexpr):
+                   SLOTS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0)
     n = tl.load(num_full_ptr + row).to(tl.int32)  # candidate pages: the row's full pages
     page = tl.arange(0, BLOCK_S)
@@ -30,7 +30,7 @@ def _rerank_kernel(scores_ptr, num_full_ptr, selected_ptr, selected_scores_ptr, 
     key = _order_key(tl.where(page == 0, float("inf"), tl.load(scores_row + page, mask=valid, other=0.0)))
     key = key.to(tl.int64)
     if n > SLOTS:  # ties go to the lower pages
-        chosen = _top_keys(key, valid, SLOTS, WAYS)
+        chosen = _top_keys(key, valid, SLOTS)
     else:
         chosen = valid
     # The new pages in ascending order, -1 padded: through this row's scratch (a register vector cannot be indexed).
@@ -101,7 +101,7 @@ def rerank_rows(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: to
     promoted = torch.zeros(1, dtype=torch.long, device=scores.device)
     _rerank_kernel[(rows,)](
         scores, num_full_pages, selected, selected_scores, indices[0], indices[1], indices[2], copy_mask, promoted,
-        scores.stride(0), base, host_pages_per_row, SLOTS=slots, BLOCK_K=block_k, BLOCK_S=block_s, WAYS=SEARCH_WAYS,
+        scores.stride(0), base, host_pages_per_row, SLOTS=slots, BLOCK_K=block_k, BLOCK_S=block_s,
         num_warps=selection_warps(block_s),
     )
     copy_pages(host, pool, indices[1], indices[2], copy_mask)

@@ -32,7 +32,6 @@ MAX_SCORED_PAGES = 16384  # pages per row the selection holds in registers (262k
 SCORE_BLOCK = 32  # pages per scoring program
 SCORE_WARPS = 4
 TABLE_WARPS = 8  # most warps of a selection program over up to 4096 pages (fewer for short rows)
-SEARCH_WAYS = 8  # thresholds per round of the top-K search (2: a bisection)
 
 
 @triton.jit
@@ -44,28 +43,23 @@ def _order_key(scores):
 
 
 @triton.jit
-def _top_keys(key, valid, count, WAYS: tl.constexpr):
+def _top_keys(key, valid, count):
     """Mask of the ``count`` largest of the ``valid`` int64 ``key``s (ties go to the lower index; at least
-    ``count`` keys valid).
-
-    Searches the ``count``-th largest key ``t*`` (the largest ``t`` with ``#(key >= t) >= count``) between the
-    smallest and largest valid key: each round counts the keys at or above ``WAYS`` thresholds that split the
-    range evenly (one ``[WAYS, S]`` reduction; ``WAYS = 2`` is a bisection) and keeps the part that holds ``t*``,
-    so ``log_WAYS`` of the range rounds instead of ``log_2``. A threshold with exactly ``count`` keys at or above
-    it ends the search early: those keys are the answer (no tie at the boundary).
-    """
+    ``count`` keys valid), by bisecting the ``count``-th largest key: the largest ``t`` with
+    ``#(key >= t) >= count``, between the smallest and largest valid key. A ``t`` with exactly ``count`` keys at or
+    above it ends the search early: those keys are the answer whatever ``t`` is (no tie at the boundary)."""
     low = tl.min(tl.where(valid, key, 2147483647), axis=0)
     high = tl.max(tl.where(valid, key, -2147483648), axis=0)
-    way = tl.arange(0, WAYS)
     while low < high:
-        thresholds = low + ((high - low) * way + WAYS - 1) // WAYS  # [WAYS], the first is ``low``
-        counts = tl.sum((valid[None, :] & (key[None, :] >= thresholds[:, None])).to(tl.int32), axis=1)
-        last = tl.sum((counts >= count).to(tl.int32), axis=0) - 1  # last threshold <= t* (counts[0] >= count)
-        new_low = tl.sum(tl.where(way == last, thresholds, 0), axis=0)
-        exact = tl.sum(tl.where(way == last, counts, 0), axis=0) == count
-        above = tl.sum(tl.where(way == last + 1, thresholds, 0), axis=0)  # first threshold > t*, if any
-        high = tl.where(exact, new_low, tl.where(last == WAYS - 1, high, above - 1))
-        low = new_low
+        middle = (low + high + 1) // 2
+        above = tl.sum((valid & (key >= middle)).to(tl.int32), axis=0)
+        if above > count:
+            low = middle
+        elif above == count:
+            low = middle
+            high = middle
+        else:
+            high = middle - 1
     ties_wanted = count - tl.sum((valid & (key > low)).to(tl.int32), axis=0)
     tie = valid & (key == low)
     return valid & ((key > low) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= ties_wanted)))
@@ -149,7 +143,7 @@ def _decode_table_kernel(
     scores_ptr, table_ptr, selected_ptr, num_tokens_ptr, unstable_heads_ptr, stable_heads_ptr,
     out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr,
     num_unstable_rows, num_unstable, num_stable, num_heads, table_capacity, stable_base, scores_stride,
-    K: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, WAYS: tl.constexpr,
+    K: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
     WRITE_TABLE: tl.constexpr, WRITE_FLAT: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -179,7 +173,7 @@ def _decode_table_kernel(
             key = _order_key(tl.load(scores_ptr + index.to(tl.int64) * scores_stride + page, mask=valid,
                                      other=0.0)).to(tl.int64)
             # Chosen pages in ascending order (the tail, the highest page, lands last); ties go to lower pages.
-            chosen = _top_keys(key, valid, K, WAYS)
+            chosen = _top_keys(key, valid, K)
             position = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
             chosen_slot = tl.load(table_row + page, mask=chosen, other=-1)
             chosen_length = tl.where(page == num_pages - 1, last_len, PAGE_SIZE)
@@ -306,7 +300,7 @@ def list_pages(inputs: TableInputs, scores: torch.Tensor, flat: torch.Tensor | N
         indptr if indptr is not None else unused, batch * num_unstable, max(num_unstable, 1), max(num_stable, 1),
         rows // batch, inputs.table.shape[2] if num_unstable else 0, inputs.stable_base, scores.shape[1],
         K=inputs.pages_per_head, PAGE_SIZE=inputs.page_size,
-        BLOCK_K=triton.next_power_of_2(inputs.pages_per_head), BLOCK_S=block_scores, WAYS=SEARCH_WAYS,
+        BLOCK_K=triton.next_power_of_2(inputs.pages_per_head), BLOCK_S=block_scores,
         WRITE_TABLE=table_out is not None, WRITE_FLAT=flat is not None, num_warps=selection_warps(block_scores),
     )
 
