@@ -27,11 +27,16 @@ class RecordingWrapper:
         self.last_page_len.copy_(last_page_len)
 
 
-@pytest.fixture
-def backend(monkeypatch: pytest.MonkeyPatch) -> FlashInferBackend:
-    monkeypatch.setitem(sys.modules, "flashinfer", SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=RecordingWrapper))
+def stand_in_backend(monkeypatch: pytest.MonkeyPatch, version: str) -> FlashInferBackend:
+    monkeypatch.setitem(sys.modules, "flashinfer", SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=RecordingWrapper,
+                                                                   __version__=version))
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # no pinned memory without a GPU
     return FlashInferBackend(torch.device("cpu"))
+
+
+@pytest.fixture
+def backend(monkeypatch: pytest.MonkeyPatch) -> FlashInferBackend:
+    return stand_in_backend(monkeypatch, "0.7.2.post1")
 
 
 def prepare(backend: FlashInferBackend, num_tokens: list[int], group: int = 4, scale: float = 0.1):
@@ -58,3 +63,13 @@ def test_new_page_counts_settings_or_kernel_plan_again(backend: FlashInferBacken
     cuda_cores, _ = prepare(backend, [34, 72], group=2)  # the CUDA-core kernel: its own wrapper and plan
     assert cuda_cores is not planned and len(cuda_cores.wrapper.plans) == 1
     assert not backend._tensor_cores(2) and backend._tensor_cores(4) and backend._tensor_cores(7)
+
+
+@pytest.mark.parametrize("version", ["0.8.0", "0.6.9", ""])
+def test_unverified_flashinfer_releases_plan_every_step(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    backend = stand_in_backend(monkeypatch, version)
+    planned, _ = prepare(backend, [100, 70])
+    for tokens in ([101, 71], [112, 80]):  # the same page counts: a verified release would skip these plans
+        again, layout = prepare(backend, tokens)
+        assert torch.equal(again.last_page_len, layout.row_last_page_len_host)
+    assert len(planned.wrapper.plans) == 3

@@ -597,7 +597,8 @@ def check_interleave() -> None:
     from flexicache.backends import triton_rerank, triton_select, triton_transfer
     from flexicache.backends.flashinfer import FlashInferBackend
 
-    sys.modules["flashinfer"] = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=DecodeWrapperStandIn)
+    sys.modules["flashinfer"] = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=DecodeWrapperStandIn,
+                                                      __version__="0.7.2.post1")
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
     for module in (triton_select, triton_transfer, triton_rerank):

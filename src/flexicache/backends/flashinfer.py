@@ -20,6 +20,9 @@ CUDA_CORE_GROUP_SIZES = (1, 2, 4, 8)  # group sizes FlashInfer's CUDA-core decod
 # Measured on the H200 (eval/gpu_kernel_sweep.py, 64 pages per row): the tensor-core kernel is 1.4-2.4x faster from
 # a group of 4 at 64+ rows, about even at 16 rows, slower for groups 1-2 (up to 1.5x at 16 rows).
 TENSOR_CORES_FROM_GROUP = 4
+# FlashInfer releases whose decode plans (both kernels) were read and GPU-tested to depend on the rows' page counts
+# only (tests/test_gpu_flashinfer.py): others plan at every step, which is always correct.
+PLAN_REUSE_RELEASES = ("0.7.",)
 
 
 def flashinfer_available() -> bool:
@@ -69,6 +72,7 @@ class FlashInferBackend:
         self._plan_key: tuple | None = None
         self._current: PlannedDecode | None = None
         self._plan_staged: torch.cuda.Event | None = None  # recorded after the last plan()'s copy to the device
+        self.reuses_plans = getattr(flashinfer, "__version__", "").startswith(PLAN_REUSE_RELEASES)
 
     def _tensor_cores(self, group: int) -> bool:
         if self.use_tensor_cores is not None:
@@ -98,7 +102,7 @@ class FlashInferBackend:
         the kernels read from the device buffer at run time (the tensor-core plan splits each row into chunks of
         whole pages, so a row's chunk count does not change with its last page either): a step whose page counts
         equal the plan's (e.g. every row at the budget) only refreshes that buffer, skipping ``plan()`` (0.3-0.9 ms
-        of host time).
+        of host time), on the FlashInfer releases where this was verified (``PLAN_REUSE_RELEASES``).
         """
         tensor_cores = self._tensor_cores(group)
         settings = (group, head_dim, page_size, pages_per_head, dtype, scale, tensor_cores)
@@ -106,7 +110,7 @@ class FlashInferBackend:
         if self._plan_key == key:
             return self._current
         planned = self._planned_step(layout.row_last_page_len_host.numel(), pages_per_head, tensor_cores)
-        same_pages = (planned.planned_for is not None and planned.planned_for[0] == settings
+        same_pages = (self.reuses_plans and planned.planned_for is not None and planned.planned_for[0] == settings
                       and torch.equal(planned.planned_for[1], layout.row_indptr_host))
         if same_pages:
             planned.last_page_len.copy_(layout.row_last_page_len_host.pin_memory(), non_blocking=True)

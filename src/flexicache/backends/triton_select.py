@@ -46,10 +46,14 @@ def _order_key(scores):
 def _top_keys(key, valid, count):
     """Mask of the ``count`` largest of the ``valid`` int64 ``key``s (ties go to the lower index; at least
     ``count`` keys valid), by bisecting the ``count``-th largest key: the largest ``t`` with
-    ``#(key >= t) >= count``, between the smallest and largest valid key. A ``t`` with exactly ``count`` keys at or
-    above it ends the search early: those keys are the answer whatever ``t`` is (no tie at the boundary)."""
+    ``#(key >= t) >= count``, between the smallest valid key and the largest below +inf's (the forced pages' +inf
+    would widen the range by about 2^30 keys, six more steps) unless the +inf keys alone fill the count. A ``t``
+    with exactly ``count`` keys at or above it ends the search early: those keys are the answer whatever ``t`` is
+    (no tie at the boundary)."""
     low = tl.min(tl.where(valid, key, 2147483647), axis=0)
-    high = tl.max(tl.where(valid, key, -2147483648), axis=0)
+    high = tl.max(tl.where(valid & (key < 0x7F800000), key, -2147483648), axis=0)  # 0x7F800000: +inf's key
+    if tl.sum((valid & (key > high)).to(tl.int32), axis=0) >= count:
+        high = tl.max(tl.where(valid, key, -2147483648), axis=0)
     while low < high:
         middle = (low + high + 1) // 2
         above = tl.sum((valid & (key >= middle)).to(tl.int32), axis=0)
