@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
     profile = resolve_profile(args.profile, args.model)
     cache = FlexiCache.from_model(model, profile=profile, token_budget=args.budget, page_size=args.page_size,
-                                  rerank_interval=args.rerank_interval, backend=args.backend)
+                                  rerank_interval=args.rerank_interval, backend=args.backend,
+                                  max_cache_len=input_ids.shape[1] + args.max_new_tokens)
     source = args.profile or ("shipped SmolLM2 profile" if profile else "HeadProfile.default")
     print(f"prompt {input_ids.shape[1]} tokens; FlexiCache budget {args.budget} tokens per KV head; profile: "
           f"{source} ({len(cache.profile.unstable_heads)} of "

@@ -224,3 +224,49 @@ def test_random_operation_sequences_keep_state_and_sparse_outputs_exact(case):
             driver.repeat(arg)
             settled = False
         check_layer_state(driver, cache, settled=settled)
+
+
+def cache_buffers(cache: FlexiCache) -> list[tuple[int, tuple[int, ...]]]:
+    """(address, shape) of every buffer a growth would replace: pools, page tables, metadata, host tiers."""
+    tensors = []
+    for layer in cache.layers:
+        tensors += [layer.pool.k, layer.pool.v, layer.meta.kmin, layer.meta.kmax]
+        if layer.resident is not None:
+            tensors.append(layer.resident.table)
+        if layer.offloaded is not None:
+            tensors += [layer.offloaded.host.k, layer.offloaded.host.v]
+    return [(tensor.data_ptr(), tuple(tensor.shape)) for tensor in tensors]
+
+
+def test_max_cache_len_sizes_every_buffer_up_front():
+    """With ``max_cache_len`` = prompt + new tokens, a chunked prefill and the decode after it never reallocate a
+    buffer and generate exactly what a cache growing as it goes generates; a longer request still grows them."""
+    config = tiny_config(group=2, num_kv_heads=2, num_layers=3)
+    model = tiny_model(config, seed=4)
+    ids, mask = left_pad([random_prompt(45, seed=1), random_prompt(37, seed=2)])
+    new_tokens, page_size = 12, 8
+
+    def make(max_cache_len):
+        return checked(FlexiCache.from_model(model, profile=mixed_profile(config), token_budget=32,
+                                             page_size=page_size, rerank_interval=3, max_cache_len=max_cache_len))
+
+    sized, growing = make(ids.shape[1] + new_tokens), make(None)
+    outputs = []
+    for cache in (sized, growing):
+        with torch.no_grad():
+            first = model(input_ids=ids[:, :20], attention_mask=mask[:, :20], past_key_values=cache)  # a chunk
+        buffers = cache_buffers(cache)
+        sequences = greedy(model, ids, cache, mask, new_tokens)
+        outputs.append(sequences)
+        assert first.logits.isfinite().all()
+        if cache is sized:
+            assert cache_buffers(cache) == buffers  # nothing reallocated after the first chunk
+            pages = -(-(ids.shape[1] + new_tokens) // page_size)
+            layer = cache.layers[1]  # mixed: both head classes
+            assert layer.meta.kmin.shape[2] == layer.resident.table.shape[2] == pages
+            assert layer.offloaded.host.k.shape[2] == pages
+    assert torch.equal(outputs[0], outputs[1])
+    before = cache_buffers(sized)
+    longer_mask = torch.cat([mask, torch.ones(mask.shape[0], new_tokens, dtype=mask.dtype)], dim=1)
+    longer = greedy(model, outputs[0], sized, longer_mask, 10)  # past max_cache_len: the buffers grow
+    assert longer.shape[1] == outputs[0].shape[1] + 10 and cache_buffers(sized) != before

@@ -40,6 +40,11 @@ def test_valid_settings_and_other_fields():
         FlexiCacheConfig(group_reduce="mean")
     with pytest.raises(ValueError, match="backend"):
         FlexiCacheConfig(backend="cuda")
+    assert FlexiCacheConfig(page_size=16, max_cache_len=33).reserved_pages == 3
+    assert FlexiCacheConfig().reserved_pages == 0
+    for wrong in (0, -5, 2.5, "1024", True):
+        with pytest.raises(ValueError, match="max_cache_len must be a positive number of tokens"):
+            FlexiCacheConfig(max_cache_len=wrong)
 
 
 def test_flashinfer_backend_on_cpu_is_refused():

@@ -19,6 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
+from flexicache.backends.triton_select import _order_key, _top_keys  # noqa: E402
+
 
 def run_interpreted(check: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
@@ -117,8 +119,6 @@ def check_table() -> None:
 @triton.jit
 def _top_k_kernel(scores_ptr, chosen_ptr, n, count, BLOCK: tl.constexpr):
     """``chosen[i] = 1`` for the ``count`` largest of ``scores[:n]`` as the selection kernels choose them."""
-    from flexicache.backends.triton_select import _order_key, _top_keys
-
     page = tl.arange(0, BLOCK)
     valid = page < n
     key = _order_key(tl.load(scores_ptr + page, mask=valid, other=0.0)).to(tl.int64)
@@ -127,10 +127,11 @@ def _top_k_kernel(scores_ptr, chosen_ptr, n, count, BLOCK: tl.constexpr):
 
 def check_topk() -> None:
     """The top-K search of the selection kernels picks what a stable descending sort picks (ties to the lower
-    index), on rows with heavy ties, +-inf, +-0, huge and tiny magnitudes, all-equal rows and counts from 1 to the
-    row length."""
+    index; NaN counts as +inf), on rows with heavy ties, +-inf, +-0, NaN of either sign, huge and tiny magnitudes,
+    all-equal rows and counts from 1 to the row length."""
     generator = torch.Generator().manual_seed(0)
-    specials = torch.tensor([float("inf"), float("-inf"), 0.0, -0.0, 3.4e38, -3.4e38, 1e-45, -1e-45, 1.0, -1.0])
+    specials = torch.tensor([float("inf"), float("-inf"), 0.0, -0.0, 3.4e38, -3.4e38, 1e-45, -1e-45, 1.0, -1.0,
+                             float("nan"), -float("nan")])
     block = 64
     for case in range(60):
         n = int(torch.randint(1, block + 1, (1,), generator=generator))
@@ -147,7 +148,8 @@ def check_topk() -> None:
         padded[:n] = scores
         for count in sorted({1, n, int(torch.randint(1, n + 1, (1,), generator=generator))}):
             expected = torch.zeros(block, dtype=torch.int8)
-            expected[torch.sort(scores, descending=True, stable=True).indices[:count]] = 1
+            ranked = scores.nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))  # NaN is +inf
+            expected[torch.sort(ranked, descending=True, stable=True).indices[:count]] = 1
             chosen = torch.full((block,), -1, dtype=torch.int8)
             _top_k_kernel[(1,)](padded, chosen, n, count, BLOCK=block)
             assert torch.equal(chosen, expected), (case, count, scores.tolist())
@@ -568,8 +570,10 @@ def check_step() -> None:
                 if sys._getframe(1).f_code.co_name == "run_graphed_step" else None, clear())[1]
             with torch.inference_mode():
                 first, second = generate_crop_continue(model, flexi, ids, mask, first_tokens=90)
-                # A hand-written decode loop passes no positions: the step graphs must make them step inputs.
-                alone = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4)
+                # A hand-written decode loop passes no positions: the step graphs must make them step inputs. Its
+                # cache sizes its buffers up front (max_cache_len): the graphs read reserved, not grown, storage.
+                alone = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4,
+                                              max_cache_len=ids.shape[1] + 24)
                 loop = greedy_generate(model, ids[0].tolist(), alone, max_new_tokens=24, stop_ids=set())
             tokens[mode], stats[mode] = (first, second, torch.tensor(loop)), flexi.stats()
             stats[mode]["grew"], stats[mode]["finished"] = grew, finished
@@ -606,7 +610,8 @@ def check_interleave() -> None:
     problems: list = []
     profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
     torch.manual_seed(1)
-    prompts = {"A": torch.randint(0, 512, (3, 150)), "B": torch.randint(0, 512, (3, 141))}
+    # B starts under the budget (4 of 8 pages): while it grows, its page counts differ from A's at every step.
+    prompts = {"A": torch.randint(0, 512, (3, 150)), "B": torch.randint(0, 512, (3, 14))}
 
     def decode(order: list[str]) -> tuple[dict, dict]:
         model = tiny_model()
@@ -631,8 +636,10 @@ def check_interleave() -> None:
             tokens, stats = decode(["A", "B"] * steps)
         assert not problems, problems[:1]
         assert all(stats[name]["step_graph_replays"] >= steps // 2 for name in prompts), stats
-        plans = DecodeWrapperStandIn.plans - plans_before  # where the page counts change (or the other cache planned)
-        assert plans < steps, (tensor_cores, plans)
+        # While B grows (its first ~15 steps) each cache plans before each of its steps (the other re-planned the
+        # shared wrapper in between); once both sit at the budget no step plans (planning every step: 2 * steps).
+        plans = DecodeWrapperStandIn.plans - plans_before
+        assert steps < plans <= 2 * steps - 12, (tensor_cores, plans)
         assert all(torch.equal(tokens[name], reference[name]) for name in prompts), tensor_cores
 
 

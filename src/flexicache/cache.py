@@ -102,26 +102,38 @@ class FlexiLayer(CacheLayerMixin):
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch_size, self.head_dim = batch_size, head_dim
         self.backend = layer_backend(self.backends, self.settings.backend, self.device, self.dtype, head_dim)
-        page_size = self.settings.page_size
-        self.pool = PagePool(page_size, head_dim, self.dtype, self.device)
+        page_size, pages_per_head = self.settings.page_size, self.settings.pages_per_head
+        # The Triton kernels hold a head in one power-of-two block (tl.arange); other head dims use torch ops.
+        self.fused_table = self.device.type == "cuda" and triton_available() and head_dim & (head_dim - 1) == 0
+        reserved = self._reserved_pages()
+        self.pool = PagePool(page_size, head_dim, self.dtype, self.device, capacity=batch_size * (
+            len(self.unstable_heads) * reserved + len(self.stable_heads) * pages_per_head))
         self.unstable_index = torch.tensor(self.unstable_heads, dtype=torch.long, device=self.device)
         self.stable_index = torch.tensor(self.stable_heads, dtype=torch.long, device=self.device)
-        self.meta = PageMetadata(batch_size, self.num_kv_heads, head_dim, self.dtype, self.device, capacity=0)
+        self.meta = PageMetadata(batch_size, self.num_kv_heads, head_dim, self.dtype, self.device, capacity=reserved)
         # Pool slot where each (request, head) writes its next decode token: the tail page's slot.
         self.write_slots = torch.full((batch_size, self.num_kv_heads), -1, dtype=torch.long, device=self.device)
         if self.unstable_heads:
-            self.resident = ResidentPages(self.pool, batch_size, len(self.unstable_heads), page_size)
+            self.resident = ResidentPages(self.pool, batch_size, len(self.unstable_heads), page_size, reserved)
             self.open_start = torch.zeros(1, dtype=torch.long, device=self.device)  # whole-step graphs' page opening
         if self.stable_heads:
-            self.offloaded = OffloadedPages(self.pool, batch_size, len(self.stable_heads),
-                                            self.settings.pages_per_head, page_size)
+            self.offloaded = OffloadedPages(self.pool, batch_size, len(self.stable_heads), pages_per_head, page_size,
+                                            host_pages=self.settings.reserved_pages)
             self.write_slots[:, self.stable_index] = self.offloaded.tail_slots()
-        # The Triton kernels hold a head in one power-of-two block (tl.arange); other head dims use torch ops.
-        self.fused_table = self.device.type == "cuda" and triton_available() and head_dim & (head_dim - 1) == 0
         self.graph: DecodeGraph | None = None  # built at the first decode step on the CUDA + FlashInfer path
         self._launch: tuple | None = None  # (what it reads, launch, storage key) of the last _graph_step
         self._reserved_plan: AppendPlan | None = None  # the graphed step whose room reserve_graphed_step made
         self.is_initialized = True
+
+    def _reserved_pages(self) -> int:
+        """Device pages per row to reserve up front (``max_cache_len``'s), no more than the fused selection holds
+        on the CUDA path (a longer row there takes the torch path, reserved or not)."""
+        reserved = self.settings.reserved_pages
+        if self.fused_table:
+            from flexicache.backends.triton_select import MAX_SCORED_PAGES
+
+            reserved = min(reserved, MAX_SCORED_PAGES)
+        return reserved
 
     # ------------------------------------------------------------------------------------ transformers protocol
 
@@ -660,16 +672,16 @@ class FlexiCache(DynamicCache):
     Args:
         config: the model's config (shape, layer types).
         profile: a :class:`HeadProfile`, a path to one, or ``None`` for :meth:`HeadProfile.default`.
-        token_budget, page_size, rerank_interval, group_reduce, backend, cuda_graphs: see
+        token_budget, page_size, rerank_interval, group_reduce, backend, cuda_graphs, max_cache_len: see
             :class:`FlexiCacheConfig`.
     """
 
     def __init__(self, config: Any, profile: HeadProfile | str | os.PathLike | None = None, token_budget: int = 2048,
                  page_size: int = 16, rerank_interval: int = 16, group_reduce: str = "max",
-                 backend: str = "auto", cuda_graphs: bool = True) -> None:
+                 backend: str = "auto", cuda_graphs: bool = True, max_cache_len: int | None = None) -> None:
         self.settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size,
                                          rerank_interval=rerank_interval, group_reduce=group_reduce, backend=backend,
-                                         cuda_graphs=cuda_graphs)
+                                         cuda_graphs=cuda_graphs, max_cache_len=max_cache_len)
         check_supported_model(config)
         if backend == "flashinfer":
             from flexicache.backends.flashinfer import flashinfer_available

@@ -22,6 +22,12 @@ class FlexiCacheConfig:
             ``"reference"`` or ``"flashinfer"``.
         cuda_graphs: on the CUDA + FlashInfer path, capture each layer's decode step (token append, scoring,
             selection, sparse decode) as a CUDA graph and replay it; ``False`` launches the same kernels eagerly.
+        max_cache_len: tokens per request (prompt + new tokens) to size the cache's buffers for at its first
+            update, so that neither a chunked prefill nor the decode after it reallocates them (each growth of the
+            host tier page-locks and copies it; each growth on the device makes whole-step graphs record again);
+            longer requests still grow them. On the CUDA path the selection kernels and the recorded stable
+            reranks work over the reserved pages, so reserve what the generation will use, not a far larger bound.
+            ``None``: buffers grow as tokens come (by a quarter at a time).
     """
 
     token_budget: int = 2048
@@ -30,6 +36,7 @@ class FlexiCacheConfig:
     group_reduce: Literal["max", "sum"] = "max"
     backend: BackendName = "auto"
     cuda_graphs: bool = True
+    max_cache_len: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -53,6 +60,15 @@ class FlexiCacheConfig:
             raise ValueError(f"backend must be 'auto', 'reference' or 'flashinfer', got {self.backend!r}.")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}.")
+        if self.max_cache_len is not None and (not isinstance(self.max_cache_len, int)
+                                               or isinstance(self.max_cache_len, bool) or self.max_cache_len < 1):
+            raise ValueError(f"max_cache_len must be a positive number of tokens (prompt + new tokens) or None, "
+                             f"got {self.max_cache_len!r}.")
+
+    @property
+    def reserved_pages(self) -> int:
+        """Pages per (request, head) that ``max_cache_len`` tokens fill (0 without it)."""
+        return -(-self.max_cache_len // self.page_size) if self.max_cache_len else 0
 
     @property
     def pages_per_head(self) -> int:

@@ -39,17 +39,18 @@ class TransferCounters:
 
 
 class HostTier:
-    """Full pages of ``h`` stable heads in host memory: ``k``/``v`` of shape ``[B, h, P, ps, D]``.
+    """Full pages of ``h`` stable heads in host memory: ``k``/``v`` of shape ``[B, h, P, ps, D]`` (``capacity`` pages
+    per row up front).
 
     ``pin_memory``: page-locked (:func:`~flexicache.host_memory.pinned_zeros`, for CUDA copies and zero-copy
     kernels); the memory of a replaced tier goes back to the system as soon as nothing views it.
     """
 
     def __init__(self, batch_size: int, num_heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
-                 pin_memory: bool) -> None:
+                 pin_memory: bool, capacity: int = 0) -> None:
         self.pin_memory = pin_memory
-        self.k = self._zeros((batch_size, num_heads, 0, page_size, head_dim), dtype)
-        self.v = self._zeros((batch_size, num_heads, 0, page_size, head_dim), dtype)
+        self.k = self._zeros((batch_size, num_heads, capacity, page_size, head_dim), dtype)
+        self.v = self._zeros((batch_size, num_heads, capacity, page_size, head_dim), dtype)
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return pinned_zeros(shape, dtype) if self.pin_memory else torch.zeros(shape, dtype=dtype)
@@ -81,8 +82,8 @@ class OffloadedPages:
     ``selected_scores``: ``[B * h, K - 1]`` score of that page at the last rerank (``+inf`` = keep).
     """
 
-    def __init__(self, pool: PagePool, batch_size: int, num_heads: int, pages_per_head: int, page_size: int
-                 ) -> None:
+    def __init__(self, pool: PagePool, batch_size: int, num_heads: int, pages_per_head: int, page_size: int,
+                 host_pages: int = 0) -> None:
         self.pool = pool
         self.num_heads = num_heads
         self.k = pages_per_head
@@ -93,7 +94,8 @@ class OffloadedPages:
         self.selected = torch.full((rows, pages_per_head - 1), -1, dtype=torch.long, device=device)
         self.selected_scores = torch.full((rows, pages_per_head - 1), float("-inf"), device=device)
         self.all_requests = torch.arange(batch_size, device=device)
-        self.host = HostTier(batch_size, num_heads, page_size, head_dim, dtype, pin_memory=device.type == "cuda")
+        self.host = HostTier(batch_size, num_heads, page_size, head_dim, dtype, pin_memory=device.type == "cuda",
+                             capacity=host_pages)
         self.counters = TransferCounters()
         self.steps_since_rerank = 0
         self.zero_copy = device.type == "cuda" and triton_available()

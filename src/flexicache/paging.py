@@ -88,11 +88,12 @@ class PageMetadata:
 class PagePool:
     """One layer's device pages: ``k``/``v`` of shape ``[S, ps, D]``, handed out in slot ranges that never move.
 
-    Growing reallocates (capacity doubles) but keeps every slot index valid.
+    ``capacity`` slots are allocated up front; growing beyond reallocates but keeps every slot index valid.
     """
 
-    def __init__(self, page_size: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.k = torch.zeros(0, page_size, head_dim, dtype=dtype, device=device)
+    def __init__(self, page_size: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 capacity: int = 0) -> None:
+        self.k = torch.zeros(capacity, page_size, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.used = 0
 
@@ -112,15 +113,15 @@ class PagePool:
 class ResidentPages:
     """Every page of ``h`` heads on the device, in the layer's :class:`PagePool`, with a page table per row.
 
-    ``table``: ``[B, h, P]`` pool slot of every page (``-1`` = none). Slots are never freed (the cache rebuilds
-    on crop/reset).
+    ``table``: ``[B, h, P]`` pool slot of every page (``-1`` = none), ``capacity`` pages per row up front. Slots are
+    never freed (the cache rebuilds on crop/reset).
     """
 
-    def __init__(self, pool: PagePool, batch_size: int, num_heads: int, page_size: int) -> None:
+    def __init__(self, pool: PagePool, batch_size: int, num_heads: int, page_size: int, capacity: int = 0) -> None:
         self.pool = pool
         self.num_heads = num_heads
         self.page_size = page_size
-        self.table = torch.full((batch_size, num_heads, 0), -1, dtype=torch.long, device=pool.k.device)
+        self.table = torch.full((batch_size, num_heads, capacity), -1, dtype=torch.long, device=pool.k.device)
 
     def reserve_pages(self, plan: AppendPlan) -> int:
         """Room in the page table and ``num_new_pages x h`` new pool slots for the pages the chunk starts; returns

@@ -1,7 +1,8 @@
-"""FlashInfer sparse paged decode: rows = (request, KV head), ``num_kv_heads=1``, one ``plan()`` per decode step.
+"""FlashInfer sparse paged decode: rows = (request, KV head), ``num_kv_heads=1``, at most one ``plan()`` per step.
 
 Every row attends to ``min(K, pages)`` pages, a count that depends only on the request's length, so all layers of
-one step share the plan (built from host-side lengths, no device sync). The wrappers run in FlashInfer's
+one step share the plan (built from host-side lengths, no device sync), and once every row is at the budget the
+steps after it reuse that plan (:meth:`FlashInferBackend.prepare`). The wrappers run in FlashInfer's
 CUDA-graph mode: their index, row-offset and last-page buffers never move, so a layer's decode can be captured
 once and replayed after every later plan. Each layer writes its page slots into the shared index buffer before
 it runs.

@@ -37,8 +37,9 @@ TABLE_WARPS = 8  # most warps of a selection program over up to 4096 pages (fewe
 @triton.jit
 def _order_key(scores):
     """fp32 -> int32 keys with the same order (negative floats have their magnitude bits flipped; -0.0 and +0.0
-    tie, as in ``torch.sort``)."""
-    bits = tl.where(scores == 0, 0.0, scores).to(tl.int32, bitcast=True)
+    tie, as in ``torch.sort``; NaN counts as +inf, whatever its sign bit)."""
+    is_nan = scores != scores  # noqa: PLR0124 (the NaN test that compiles and interprets alike)
+    bits = tl.where(scores == 0, 0.0, tl.where(is_nan, float("inf"), scores)).to(tl.int32, bitcast=True)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
@@ -47,12 +48,12 @@ def _top_keys(key, valid, count):
     """Mask of the ``count`` largest of the ``valid`` int64 ``key``s (ties go to the lower index; at least
     ``count`` keys valid), by bisecting the ``count``-th largest key: the largest ``t`` with
     ``#(key >= t) >= count``, between the smallest valid key and the largest below +inf's (the forced pages' +inf
-    would widen the range by about 2^30 keys, six more steps) unless the +inf keys alone fill the count. A ``t``
+    would widen the range by about 2^30 keys, six more steps) unless the +inf keys alone exceed the count. A ``t``
     with exactly ``count`` keys at or above it ends the search early: those keys are the answer whatever ``t`` is
     (no tie at the boundary)."""
     low = tl.min(tl.where(valid, key, 2147483647), axis=0)
     high = tl.max(tl.where(valid & (key < 0x7F800000), key, -2147483648), axis=0)  # 0x7F800000: +inf's key
-    if tl.sum((valid & (key > high)).to(tl.int32), axis=0) >= count:
+    if tl.sum((valid & (key > high)).to(tl.int32), axis=0) > count:
         high = tl.max(tl.where(valid, key, -2147483648), axis=0)
     while low < high:
         middle = (low + high + 1) // 2

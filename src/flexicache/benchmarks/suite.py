@@ -99,7 +99,7 @@ class System:
         return attention.ATTENTION_NAME if self.is_flexicache else "sdpa"
 
     def make_cache(self, config: PretrainedConfig, tokens: int, settings: Settings) -> Cache:
-        """A fresh cache for sequences of up to ``tokens`` tokens."""
+        """A fresh cache for sequences of up to ``tokens`` tokens (FlexiCache's buffers sized for them up front)."""
         if self.kind == "dynamic":
             return DynamicCache(config=config)
         if self.kind == "dynamic-offload":
@@ -116,7 +116,7 @@ class System:
             budget = self.budget if self.kind == "quest" else page * math.ceil((tokens + page) / page)
         return FlexiCache(config, profile=profile, token_budget=budget, page_size=page,
                           rerank_interval=settings.rerank_interval, backend=settings.backend,
-                          cuda_graphs=settings.cuda_graphs != "off")
+                          cuda_graphs=settings.cuda_graphs != "off", max_cache_len=tokens)
 
 
 def systems(names: list[str]) -> list[System]:
