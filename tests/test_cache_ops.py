@@ -238,6 +238,17 @@ def cache_buffers(cache: FlexiCache) -> list[tuple[int, tuple[int, ...]]]:
     return [(tensor.data_ptr(), tuple(tensor.shape)) for tensor in tensors]
 
 
+def assert_reserved(cache: FlexiCache, batch: int, pages: int) -> None:
+    """Every layer holds exactly ``pages`` pages per row in its min/max, page table and host tier, and pool slots
+    for every page of its unstable heads plus the stable heads' K."""
+    for layer in cache.layers:
+        unstable, stable = len(layer.unstable_heads), len(layer.stable_heads)
+        assert layer.pool.k.shape[0] == batch * (unstable * pages + stable * cache.settings.pages_per_head)
+        assert layer.meta.kmin.shape[2] == pages
+        assert layer.resident is None or layer.resident.table.shape[2] == pages
+        assert layer.offloaded is None or layer.offloaded.host.k.shape[2] == pages
+
+
 def test_max_cache_len_sizes_every_buffer_up_front():
     """With ``max_cache_len`` = prompt + new tokens, a chunked prefill and the decode after it never reallocate a
     buffer and generate exactly what a cache growing as it goes generates; a longer request still grows them."""
@@ -261,10 +272,7 @@ def test_max_cache_len_sizes_every_buffer_up_front():
         assert first.logits.isfinite().all()
         if cache is sized:
             assert cache_buffers(cache) == buffers  # nothing reallocated after the first chunk
-            pages = -(-(ids.shape[1] + new_tokens) // page_size)
-            layer = cache.layers[1]  # mixed: both head classes
-            assert layer.meta.kmin.shape[2] == layer.resident.table.shape[2] == pages
-            assert layer.offloaded.host.k.shape[2] == pages
+            assert_reserved(cache, ids.shape[0], -(-(ids.shape[1] + new_tokens) // page_size))
     assert torch.equal(outputs[0], outputs[1])
     before = cache_buffers(sized)
     longer_mask = torch.cat([mask, torch.ones(mask.shape[0], new_tokens, dtype=mask.dtype)], dim=1)

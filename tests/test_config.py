@@ -42,7 +42,9 @@ def test_valid_settings_and_other_fields():
         FlexiCacheConfig(backend="cuda")
     assert FlexiCacheConfig(page_size=16, max_cache_len=33).reserved_pages == 3
     assert FlexiCacheConfig().reserved_pages == 0
-    for wrong in (0, -5, 2.5, "1024", True):
+    assert FlexiCacheConfig(max_cache_len=torch.tensor(100)).max_cache_len == 100  # numpy/torch integers
+    assert type(FlexiCacheConfig(max_cache_len=torch.tensor(100)).max_cache_len) is int
+    for wrong in (0, -5, 2.5, "1024", True, torch.tensor(1.5)):
         with pytest.raises(ValueError, match="max_cache_len must be a positive number of tokens"):
             FlexiCacheConfig(max_cache_len=wrong)
 

@@ -104,7 +104,8 @@ def test_empty_tier_is_not_registered(cudart: FakeCudart) -> None:
 
 def test_refused_registration_says_what_to_change(cudart: FakeCudart) -> None:
     cudart.register_result = 2  # cudaErrorMemoryAllocation
-    with pytest.raises(RuntimeError, match=r"page-lock 0\.00 GiB .*ulimit -l.*batch size or context"):
+    with pytest.raises(RuntimeError,
+                       match=r"page-lock 0\.00 GiB .*ulimit -l.*batch size, the context or the cache.s max_cache_len"):
         pinned_zeros((64, 64), torch.float32)
     gc.collect()
     assert cudart.calls == ["register", "clear error"]  # never registered: nothing to undo

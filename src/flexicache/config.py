@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,9 +26,10 @@ class FlexiCacheConfig:
         max_cache_len: tokens per request (prompt + new tokens) to size the cache's buffers for at its first
             update, so that neither a chunked prefill nor the decode after it reallocates them (each growth of the
             host tier page-locks and copies it; each growth on the device makes whole-step graphs record again);
-            longer requests still grow them. On the CUDA path the selection kernels and the recorded stable
-            reranks work over the reserved pages, so reserve what the generation will use, not a far larger bound.
-            ``None``: buffers grow as tokens come (by a quarter at a time).
+            longer requests still grow them. Unlike a StaticCache bound, the memory is taken in full at once (the
+            stable heads' whole KV in page-locked host memory, the unstable heads' on the device) and the CUDA
+            selection kernels and recorded stable reranks work over the reserved pages: pass what the generation
+            will use, not ``max_position_embeddings``. ``None``: buffers grow as tokens come (a quarter at a time).
     """
 
     token_budget: int = 2048
@@ -60,10 +62,8 @@ class FlexiCacheConfig:
             raise ValueError(f"backend must be 'auto', 'reference' or 'flashinfer', got {self.backend!r}.")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}.")
-        if self.max_cache_len is not None and (not isinstance(self.max_cache_len, int)
-                                               or isinstance(self.max_cache_len, bool) or self.max_cache_len < 1):
-            raise ValueError(f"max_cache_len must be a positive number of tokens (prompt + new tokens) or None, "
-                             f"got {self.max_cache_len!r}.")
+        if self.max_cache_len is not None:
+            object.__setattr__(self, "max_cache_len", _positive_tokens(self.max_cache_len))
 
     @property
     def reserved_pages(self) -> int:
@@ -74,3 +74,16 @@ class FlexiCacheConfig:
     def pages_per_head(self) -> int:
         """K: pages each KV head attends to at decode."""
         return self.token_budget // self.page_size
+
+
+def _positive_tokens(value: object) -> int:
+    """``max_cache_len`` as a Python int (numpy and torch integers accepted); bools, floats, strings and values
+    below 1 raise."""
+    try:
+        tokens = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        tokens = None
+    if tokens is None or tokens < 1:
+        raise ValueError(f"max_cache_len must be a positive number of tokens (prompt + new tokens) or None, "
+                         f"got {value!r}.")
+    return tokens

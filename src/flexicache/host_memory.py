@@ -92,5 +92,5 @@ def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         mapping.close()
         raise RuntimeError(f"Could not page-lock {nbytes / 2**30:.2f} GiB of host memory for FlexiCache's host tier "
                            f"({error}). Free host memory, raise the locked-memory limit (ulimit -l), or lower the "
-                           "batch size or context.") from error
+                           "batch size, the context or the cache's max_cache_len.") from error
     return tensor.view(dtype).view(shape)

@@ -30,7 +30,8 @@ def warm_up(model: torch.nn.Module, context: int, batch_size: int = 1,
 
     Use the context length and batch size of the real work: some kernel variants depend on the cache's capacity
     (its pages rounded up to a power of two) and on the batch, so a generation that grows past the next power of
-    two of pages (more new tokens than about a quarter of the context) still compiles once more. Like
+    two of pages (more new tokens than about a quarter of the context) still compiles once more; a cache with
+    ``max_cache_len`` has that capacity from the start, so pass the same ``max_cache_len`` here. Like
     ``from_model``, this switches ``model`` to the flexicache attention (and, with ``cuda_graphs``, to whole-step
     graphs).
 
