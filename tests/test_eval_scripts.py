@@ -21,6 +21,15 @@ def run_script(name: str, *args: str) -> str:
     return result.stdout
 
 
-@pytest.mark.parametrize("name", ["gpu_step_profile.py", "gpu_prefill_profile.py", "gpu_kernel_sweep.py"])
+@pytest.mark.parametrize("name", ["gpu_step_profile.py", "gpu_prefill_profile.py", "gpu_kernel_sweep.py",
+                                  "gpu_repeatability.py"])
 def test_gpu_profiling_scripts_parse_their_arguments(name: str) -> None:
     assert "usage:" in run_script(name, "--help")
+
+
+def test_repeatability_check_runs_on_the_cpu() -> None:
+    """The smoke test of eval/gpu_repeatability.py: its CPU configurations run and compare (on the CPU both are
+    bit-identical run to run)."""
+    out = run_script("gpu_repeatability.py", "--device", "cpu", "--repeats", "1", "--new-tokens", "3",
+                     "--prompt-tokens", "40")
+    assert "dynamic: 1 of 1 repeats bit-identical" in out and "flexicache-eager: 1 of 1 repeats bit-identical" in out
