@@ -350,9 +350,7 @@ class FlexiLayer(CacheLayerMixin):
         if not (self.is_initialized and self.graph is not None and self.scale is not None and self.settings.cuda_graphs
                 and (self.offloaded is None or self.offloaded.zero_copy)):  # torch transfers wait for the device
             return False
-        from flexicache.backends.triton_select import fits_fused_table
-
-        return fits_fused_table(grown_size(self.meta.kmin.shape[2], next_pages))
+        return _selection_fits_after_growth(self.meta.kmin.shape[2], next_pages)
 
     def begin_graphed_step(self) -> tuple:
         """Host side of a decode step whose device work a whole-step graph replays (:mod:`flexicache.step_graph`).
@@ -632,6 +630,14 @@ class FlexiLayer(CacheLayerMixin):
         return stats
 
 
+def _selection_fits_after_growth(capacity: int, next_pages: int) -> bool:
+    """Whether the fused selection still holds a row of page metadata of ``capacity`` pages once it has grown for
+    ``next_pages`` pages (:func:`~flexicache.paging.grown_size`)."""
+    from flexicache.backends.triton_select import fits_fused_table
+
+    return fits_fused_table(grown_size(capacity, next_pages))
+
+
 def _full_tails(plan: AppendPlan) -> torch.Tensor:
     """``[B]`` bool (CPU): requests whose tail page filled up before this single-token step."""
     return (plan.before_host > 0) & (plan.before_host % plan.page_size == 0)
@@ -747,10 +753,8 @@ class FlexiCache(DynamicCache):
         next_pages = (int(self.sequence.num_tokens_host.max()) + page_size) // page_size  # after one more token
         if self.step_graphs.storage is not None and self.step_graphs.chunk == self.sequence.num_chunks:
             # The last step ran from a graph and nothing came since: only the capacity can have run out.
-            from flexicache.backends.triton_select import fits_fused_table
-
             capacities = {layer.meta.kmin.shape[2] for layer in layers}
-            return all(fits_fused_table(grown_size(capacity, next_pages)) for capacity in capacities)
+            return all(_selection_fits_after_growth(capacity, next_pages) for capacity in capacities)
         return (all(layer.graphed_step_ready(next_pages) for layer in layers) and layers[0].device.type == "cuda"
                 and all(layer.device == layers[0].device for layer in layers))
 
