@@ -27,6 +27,7 @@ from flexicache import FlexiCache, attention
 from flexicache.backends import triton_select
 from flexicache.backends.flashinfer import FlashInferBackend
 from flexicache.benchmarks.attention import Module, Shape, prefilled_cache
+from flexicache.decode_graph import capture
 
 REPEATS = 20
 
@@ -35,15 +36,7 @@ def graph_us(work: Callable[[], None]) -> float:
     """Microseconds per ``work()`` replayed from a CUDA graph of ``REPEATS`` calls (median of 5 replays)."""
     work()
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        graph.capture_begin()
-        for _ in range(REPEATS):
-            work()
-        graph.capture_end()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = capture(lambda: [work() for _ in range(REPEATS)], torch.device("cuda", torch.cuda.current_device()))
     graph.replay()
     times = []
     for _ in range(5):
