@@ -19,7 +19,8 @@ from flexicache.backends.base import DecodeLayout
 WORKSPACE_BYTES = 128 * 2**20
 CUDA_CORE_GROUP_SIZES = (1, 2, 4, 8)  # group sizes FlashInfer's CUDA-core decode kernel is built for
 # Measured on the H200 (eval/gpu_kernel_sweep.py, 64 pages per row): the tensor-core kernel is 1.4-2.4x faster from
-# a group of 4 at 64+ rows, about even at 16 rows, slower for groups 1-2 (up to 1.5x at 16 rows).
+# a group of 4 at 64+ rows, about even at 16 rows; for groups 1-2 mostly slower (up to 1.5x at 16 rows; 6% faster
+# for group 2 at 64 rows).
 TENSOR_CORES_FROM_GROUP = 4
 # FlashInfer releases whose decode plans (both kernels) were read and GPU-tested to depend on the rows' page counts
 # only (tests/test_gpu_flashinfer.py): others plan at every step, which is always correct.
