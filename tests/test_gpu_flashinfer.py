@@ -14,7 +14,11 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-from transfer_checks import assert_same_transfer_outcome, transfer_outcome  # noqa: E402
+from transfer_checks import (  # noqa: E402
+    assert_same_transfer_outcome,
+    assert_selected_slots_hold_their_pages,
+    transfer_outcome,
+)
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from flexicache import FlexiCache, HeadProfile, disable_step_graphs  # noqa: E402
@@ -234,6 +238,62 @@ def test_zero_copy_transfers_match_torch_indexing(monkeypatch: pytest.MonkeyPatc
     assert_same_transfer_outcome(results[True], results[False])
 
 
+def test_rerank_and_tail_retirement_kernels_match_torch_at_scale() -> None:
+    """The fused rerank and tail retirement leave exactly the state of their torch versions over 4096 rows (one
+    program each, thousands of warps in flight), rerank after rerank and retirement after retirement. A program
+    whose warps each read the row's selection while another warp of it already rewrote it moves part of a page into
+    the wrong slot: session 9 found this in the tail retirement as rare run-to-run differences of generate()."""
+    from types import SimpleNamespace
+
+    from flexicache.offload import OffloadedPages
+    from flexicache.paging import PagePool
+
+    batch, heads, pages_per_head, page_size, head_dim, width = 512, 8, 16, 16, 64, 64
+    rows = batch * heads
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    states = {}
+    for zero_copy in (True, False):
+        pages = OffloadedPages(PagePool(page_size, head_dim, torch.bfloat16, torch.device("cuda")), batch, heads,
+                               pages_per_head, page_size)
+        pages.zero_copy = zero_copy
+        pages.host.reserve(width + 8)
+        states[zero_copy] = pages
+    for name in ("k", "v"):
+        filled = torch.randn(getattr(states[True].host, name).shape, generator=generator, device="cuda")
+        for pages in states.values():
+            getattr(pages.host, name).copy_(filled)
+    tail_slots = states[True].tail_slots().view(-1)
+    requests = torch.arange(batch, device="cuda")
+
+    def assert_same_state(what: str) -> None:
+        fused, torch_path = states[True], states[False]
+        for name in ("selected", "selected_scores"):
+            differs = (getattr(fused, name) != getattr(torch_path, name)).any(1)
+            assert not bool(differs.any()), f"{what}: {name} differs in rows {differs.nonzero().view(-1)[:8].tolist()}"
+        for name in ("k", "v"):
+            differs = (getattr(fused.pool, name) != getattr(torch_path.pool, name)).flatten(1).any(1)
+            assert not bool(differs.any()), f"{what}: pool.{name} differs in slots {differs.nonzero().view(-1)[:8]}"
+            assert torch.equal(getattr(fused.host, name), getattr(torch_path.host, name)), f"{what}: host.{name}"
+
+    full_pages = torch.randint(1, 20, (batch,), generator=generator, device="cuda")  # per request, grows
+    for round_index in range(6):
+        scores = (torch.randint(0, 4, (rows, width), generator=generator, device="cuda").float() if round_index % 2
+                  else torch.randn(rows, width, generator=generator, device="cuda"))
+        for pages in states.values():
+            pages.rerank(scores, full_pages.repeat_interleave(heads))
+        assert_same_state(f"rerank {round_index}")
+        for retirement in range(3):  # later tails evict earlier ones' neighbours (+inf until the next rerank)
+            before = (full_pages + 1) * page_size  # each tail page is full: it retires as page ``full_pages``
+            plan = SimpleNamespace(before=before, before_host=before.cpu())
+            tails = torch.randn(2, rows, page_size, head_dim, generator=generator, device="cuda")
+            for pages in states.values():
+                pages.pool.k[tail_slots], pages.pool.v[tail_slots] = tails[0].bfloat16(), tails[1].bfloat16()
+                pages.retire_full_tails(requests, plan)
+            assert_same_state(f"round {round_index}, retirement {retirement}")
+            full_pages += 1
+    assert int(states[True].counters.promoted_pages) == int(states[False].counters.promoted_pages) > 0
+
+
 def test_whole_step_graphs_match_eager_generation() -> None:
     """generate() with whole-step CUDA graphs (from_model's default) gives the tokens and logits of the same cache
     run layer by layer, through a padded batch, reranks at every phase, promotions, retirements and growth; most
@@ -252,6 +312,7 @@ def test_whole_step_graphs_match_eager_generation() -> None:
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=120,
                                  do_sample=False, output_logits=True, return_dict_in_generate=True)
+        assert_selected_slots_hold_their_pages(cache)
         runs[step_graphs] = out, cache.stats()
     (eager, eager_stats), (graphed, graphed_stats) = runs[False], runs[True]
     assert torch.equal(graphed.sequences, eager.sequences)
@@ -278,6 +339,7 @@ def test_max_cache_len_matches_a_growing_cache_and_records_fewer_graphs() -> Non
             out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                                  max_new_tokens=new_tokens, do_sample=False, output_logits=True,
                                  return_dict_in_generate=True)
+        assert_selected_slots_hold_their_pages(cache)
         runs[max_cache_len is not None] = out, cache.stats()
     (growing, growing_stats), (sized, sized_stats) = runs[False], runs[True]
     assert torch.equal(sized.sequences, growing.sequences)

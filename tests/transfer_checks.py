@@ -10,7 +10,9 @@ from flexicache import FlexiCache
 
 def transfer_outcome(cache: FlexiCache, logits: tuple[torch.Tensor, ...]) -> tuple:
     """What a generation left behind in the host tier's paths: logits, the stable heads' selections, device pools and
-    host tiers (cloned), and the cache's counters. Compare two with :func:`assert_same_transfer_outcome`."""
+    host tiers (cloned), and the cache's counters. Compare two with :func:`assert_same_transfer_outcome`. Checks
+    :func:`assert_selected_slots_hold_their_pages` first."""
+    assert_selected_slots_hold_their_pages(cache)
     layers = [layer for layer in cache.layers if layer.offloaded is not None]
     state = [tensor.clone() for layer in layers for tensor in
              (layer.offloaded.selected, layer.offloaded.selected_scores, layer.pool.k, layer.pool.v,
@@ -24,3 +26,24 @@ def assert_same_transfer_outcome(one: tuple, other: tuple) -> None:
     assert all(torch.equal(a, b) for a, b in zip(one[1], other[1]))
     assert one[2]["promoted_pages"] == other[2]["promoted_pages"] > 0
     assert one[2]["bytes_d2h"] == other[2]["bytes_d2h"] > 0
+
+
+def assert_selected_slots_hold_their_pages(cache: FlexiCache) -> None:
+    """The stable heads' invariant: every device selection slot holds exactly the host page it lists (the page a
+    rerank promoted or a tail retirement moved there; full pages never change on the host)."""
+    for index, layer in enumerate(cache.layers):
+        pages = layer.offloaded
+        if pages is None:
+            continue
+        host_k, host_v = pages._host_pages()
+        rows, slots = pages.selected.shape
+        listed = pages.selected >= 0
+        row = torch.arange(rows, device=listed.device).unsqueeze(1).expand_as(listed)[listed]
+        column = torch.arange(slots, device=listed.device).expand_as(listed)[listed]
+        device_slot = pages.base + row * pages.k + column
+        host_page = (row * pages.host.k.shape[2] + pages.selected[listed]).to(host_k.device)
+        for device_pages, host_pages in ((layer.pool.k, host_k), (layer.pool.v, host_v)):
+            differs = (device_pages[device_slot].cpu() != host_pages[host_page].cpu()).flatten(1).any(1)
+            assert not bool(differs.any()), (
+                f"layer {index}: selection slots {device_slot[differs.to(device_slot.device)].tolist()} do not hold "
+                f"the host pages they list")

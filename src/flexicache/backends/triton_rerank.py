@@ -54,6 +54,8 @@ def _rerank_kernel(scores_ptr, num_full_ptr, selected_ptr, selected_scores_ptr, 
     target = tl.sum(tl.where(pair, columns[:, None], 0), axis=0)  # [i] slot of new entry i
     placed = tl.sum(tl.where(pair, new[None, :] + 1, 0), axis=1) - 1  # [j] promoted page put in slot j, or -1
     updated = tl.where(keep, old, placed)
+    # Warps hold their own copies of the row: all must have read the old selection before any warp overwrites it.
+    tl.debug_barrier()
     tl.store(selected_ptr + row.to(tl.int64) * SLOTS + columns, updated, mask=listed)
     held = tl.load(scores_row + tl.maximum(updated, 0), mask=listed & (updated >= 0), other=0.0)
     held = tl.where(updated == 0, float("inf"), tl.where(updated < 0, float("-inf"), held))

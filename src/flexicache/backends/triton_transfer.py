@@ -74,8 +74,12 @@ def _retire_tails_kernel(pool_k_ptr, pool_v_ptr, host_k_ptr, host_v_ptr, selecte
     keep = tl.where(held == 0, float("inf"), keep)
     keep = tl.where(held < 0, float("-inf"), keep)
     keep = tl.where(listed, keep, float("inf"))
-    if tl.min(keep, axis=0) < float("inf"):
-        victim = tl.argmin(keep, axis=0, tie_break_left=True)
+    has_victim = tl.min(keep, axis=0) < float("inf")
+    victim = tl.argmin(keep, axis=0, tie_break_left=True)
+    # Each warp reads the row's scores and picks the victim itself: all must have read them before any warp marks
+    # the victim's score +inf below, or a late warp picks another slot and writes its part of the page there.
+    tl.debug_barrier()
+    if has_victim:
         target = (base + row * K + victim) * PAGE
         tl.store(pool_k_ptr + target + offsets, keys, mask=inside)
         tl.store(pool_v_ptr + target + offsets, values, mask=inside)
