@@ -36,12 +36,9 @@ def assert_selected_slots_hold_their_pages(cache: FlexiCache) -> None:
         if pages is None:
             continue
         host_k, host_v = pages._host_pages()
-        rows, slots = pages.selected.shape
-        listed = pages.selected >= 0
-        row = torch.arange(rows, device=listed.device).unsqueeze(1).expand_as(listed)[listed]
-        column = torch.arange(slots, device=listed.device).expand_as(listed)[listed]
+        row, column = (pages.selected >= 0).nonzero(as_tuple=True)
         device_slot = pages.base + row * pages.k + column
-        host_page = (row * pages.host.k.shape[2] + pages.selected[listed]).to(host_k.device)
+        host_page = (row * pages.host.k.shape[2] + pages.selected[row, column]).to(host_k.device)
         for device_pages, host_pages in ((layer.pool.k, host_k), (layer.pool.v, host_v)):
             differs = (device_pages[device_slot].cpu() != host_pages[host_page].cpu()).flatten(1).any(1)
             assert not bool(differs.any()), (
