@@ -130,7 +130,7 @@ def main() -> None:
 
     triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)
     reference_indices = planned.indices.clone()
-    for warps in (4, 8, 16):  # fewer warps were 2-4x slower at 32k on the H200 (session 7)
+    for warps in (4, 8, 16):
         triton_select.TABLE_WARPS = warps
         planned.indices.fill_(-7)
         triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)

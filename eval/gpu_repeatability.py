@@ -1,6 +1,6 @@
-"""Are two identical greedy generations bit-identical? Tells a FlexiCache race from nondeterminism in the model's
-own kernels: the question a GPU test raised in session 8 (BENCHMARKS.md, "A GPU test that failed once"). Its answer
-in session 9: a race in the tail retirement kernel (fixed); since then every configuration is bit-identical.
+"""Are two identical greedy generations bit-identical? Tells a race in FlexiCache's kernels (results that depend on
+the timing of their warps or streams) from nondeterminism in the model's own kernels (BENCHMARKS.md,
+"Repeatability").
 
 For each configuration, ``--repeats`` times, a random tiny Llama (the GPU tests' shape: 4 layers, 2 KV heads, group
 4, head dim 64, bf16) generates ``--new-tokens`` greedy tokens from one prompt twice, each time with a fresh cache,

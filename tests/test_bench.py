@@ -7,24 +7,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from pathlib import Path
 
 import pytest
 import torch
 
-from flexicache.benchmarks.cli import add_arguments, settings_from, update_markdown
+from flexicache.benchmarks.cli import add_arguments, settings_from
 from flexicache.benchmarks.decode import calibration, extrapolate, measurement_order
+from flexicache.benchmarks.document import END, find_sections, render_document
+from flexicache.benchmarks.headlines import headlines
 from flexicache.benchmarks.measure import summarize
 from flexicache.benchmarks.memory import offload_full_depth
-from flexicache.benchmarks.report import NA, STATUSES, find, render_report, step_full_depth, targets
+from flexicache.benchmarks.report import render_report
 from flexicache.benchmarks.rerank import rerank_summary, timed_steps
+from flexicache.benchmarks.results import NA, find, step_full_depth
 from flexicache.benchmarks.suite import PRESETS, System, model_config
 from flexicache.benchmarks.throughput import left_padded, mix_requests
 from flexicache.cli import main
 
 CPU = PRESETS["cpu"]
-GPU_RUN = Path(__file__).resolve().parents[1] / "eval" / "results" / "gpu" / "bench_suite" / "bench.json"
+ROOT = Path(__file__).resolve().parents[1]
+GPU_RUNS = sorted((ROOT / "eval" / "results" / "gpu").glob("**/bench.json"))
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +55,7 @@ def test_outputs_written_and_nothing_failed(bench):
     assert results["env"]["torch"] and results["settings"]["device"] == "cpu"
     report = (out / "report.md").read_text()
     assert "| p50 per round |" in report
-    for title in ("#### Targets", "#### Memory vs context", "#### Decode step latency", "#### Rerank ablation",
+    for title in ("#### Headline numbers", "#### Memory vs context", "#### Decode step latency", "#### Rerank ablation",
                   "#### Largest batch", "#### Offline mix", "![rerank.png](rerank.png)"):
         assert title in report
 
@@ -188,25 +193,94 @@ def test_memory_batch_and_chunked_prefill(bench, tmp_path):
     assert "Batch 2, real prefill (chunks of 128 tokens)" in chunked["cases"]["memory"]["notes"][0]
 
 
-def test_targets_and_rerender(bench, tmp_path):
+def test_headlines_and_rerender(bench, tmp_path):
     results, out = bench
-    entries = targets(results)
-    assert len(entries) == 9
-    assert {entry["status"] for entry in entries} <= set(STATUSES)
-    assert entries[1]["status"] == "pending"  # the dense FlashInfer comparison needs CUDA
-    assert all(entry["status"] != "pending" for i, entry in enumerate(entries) if i != 1)
-    assert entries[8]["target"].startswith("peak device memory") and entries[8]["status"] == "not measured"
+    lines = headlines(results)
+    # one per FlexiCache system and decode point, the long/short ratio, memory, rerank, throughput, mix, the loop
+    assert any(line.startswith("flexicache-64 at 512 tokens x batch 1") for line in lines)
+    assert sum(line.startswith("flexicache-64, ") for line in lines) == len(CPU["decode_contexts"]) * len(
+        CPU["decode_batches"])
+    assert any("flexicache-64's step at 512 tokens is" in line for line in lines)
+    assert any("the stability-aware schedule's rerank time" in line or "not measured" in line for line in lines)
+    assert any(line.startswith("flexicache-64: largest batch at 512 tokens") for line in lines)
+    assert any(line.startswith("offline mix of 4 requests") for line in lines)
+    assert headlines(results, ["rerank"]) == [line for line in lines if "rerank" in line]
+    assert not re.search(r"\b(met|targets?|issue)\b", " ".join(lines))  # no thresholds in the package
     assert main(["bench", "--report-from", str(out / "bench.json"), "--out", str(tmp_path)]) == 0
     stated = ("Report (every derived number, table and plot) rendered from its `bench.json` by: `python -m "
               f"flexicache.cli bench --report-from {out / 'bench.json'} --out {tmp_path}`\n\n")
     rendered = (tmp_path / "report.md").read_text()
     assert stated in rendered and rendered.replace(stated, "") == (out / "report.md").read_text()
+
+
+def test_update_benchmarks_rewrites_the_generated_sections(bench, tmp_path):
+    """``--update-benchmarks`` replaces the text between each section's markers (and nothing else) by the report of
+    the bench.json the marker names, refuses a run that no section names (before measuring), and renders a
+    ``cases=`` section with those cases only."""
+    results, out = bench
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "bench.json").write_text((out / "bench.json").read_text())
     document = tmp_path / "BENCHMARKS.md"
-    document.write_text("# B\n<!-- flexicache-bench:start -->\nold\n<!-- flexicache-bench:end -->\ntail\n")
-    update_markdown(document, render_report(results, plot_prefix="bench"))
+    head = "# B\n\n<!-- flexicache-bench results/bench.json -->\n"
+    middle = f"{END}\n\nhand-written text\n\n<!-- flexicache-bench results/bench.json cases=rerank -->\nold\n"
+    document.write_text(head + "stale\n" + middle + f"{END}\ntail\n")
+    assert main(["bench", "--report-from", str(folder / "bench.json"), "--out", str(folder),
+                 "--update-benchmarks", str(document)]) == 0
     text = document.read_text()
-    assert "old" not in text and text.endswith("<!-- flexicache-bench:end -->\ntail\n")
-    assert "![memory.png](bench/memory.png)" in text
+    assert "stale" not in text and "\nold\n" not in text and "hand-written text" in text and text.endswith(f"{END}\ntail\n")
+    first, second = (text[section.start:section.end] for section in find_sections(text))
+    assert "--out results --update-benchmarks BENCHMARKS.md`" in first  # re-measures into the section's folder
+    assert "### Decode step latency" in first and "![memory.png](results/memory.png)" in first
+    assert "### Rerank ablation" in second and "### Decode step latency" not in second
+    assert "![rerank.png](results/rerank.png)" in second and "memory.png" not in second
+    assert render_document(text, tmp_path, "BENCHMARKS.md") == text  # rendering again changes nothing
+
+    other = tmp_path / "other"
+    with pytest.raises(SystemExit, match="no generated section for .*other/bench.json: add the two lines"):
+        main(["bench", "--device", "cpu", "--cases", "rerank", "--out", str(other), "--update-benchmarks",
+              str(document)])
+    assert not other.exists()  # refused before measuring
+    document.write_text(head + "no end marker\n")
+    with pytest.raises(ValueError, match="has no '<!-- /flexicache-bench -->' line"):
+        find_sections(document.read_text())
+
+
+def test_benchmarks_md_is_generated_from_its_stored_runs():
+    """Every generated section of BENCHMARKS.md is what its stored bench.json renders to today (after a change of the
+    report, run `flexicache bench --report-from ... --update-benchmarks BENCHMARKS.md`), every stored run is
+    published, and every number of the at-a-glance table appears in the section its row links to."""
+    path = ROOT / "BENCHMARKS.md"
+    text = path.read_text()
+    assert render_document(text, ROOT, "BENCHMARKS.md") == text
+    sources = {(ROOT / section.source).resolve() for section in find_sections(text)}
+    assert sources == {run.resolve() for run in GPU_RUNS}
+    for link in re.findall(r"\]\((eval/results/gpu/[^)#]+)\)", text):
+        assert (ROOT / link).exists(), link
+
+    def slug(heading: str) -> str:
+        return re.sub(r"[^a-z0-9 _-]", "", heading.lower()).replace(" ", "-")
+
+    sections, current = {}, None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            current = slug(line[3:])
+            sections[current] = [line]
+        elif current:
+            sections[current].append(line)
+    glance = text[text.index("## At a glance"):text.index("## How the numbers are made")]
+    rows = [line for line in glance.splitlines() if line.startswith("| ") and "](#" in line]
+    assert len(rows) >= 10
+
+    def numbers(part: str) -> set[str]:
+        return set(re.findall(r"\d+(?:\.\d+)?(?![\dk])", part))
+
+    for row in rows:
+        anchor = re.search(r"\]\(#([^)]+)\)", row).group(1)
+        assert anchor in sections, anchor
+        cells = row.split("](#")[0]
+        missing = numbers(cells) - numbers("\n".join(sections[anchor]))
+        assert not missing, (row, missing)
 
 
 # ------------------------------------------------------------------------------------------------ pure helpers
@@ -285,26 +359,14 @@ def test_offload_full_depth_keeps_one_layer_on_device():
     assert offload_full_depth(dict(row, full_depth=full)) == full  # idempotent
 
 
-@pytest.mark.skipif(not GPU_RUN.exists(), reason="no GPU bench.json in this checkout")
-def test_report_of_the_gpu_run_has_no_broken_numbers():
-    """The H200 run's loop calibration is inconsistent (1 layer slower than 4): nothing extrapolated from it, no
-    negative number, and the rerank row-count ratio is not passed off as the paper's time ratio."""
-    import re
-
-    results = json.loads(GPU_RUN.read_text())
+@pytest.mark.parametrize("run", GPU_RUNS, ids=lambda run: run.parent.name)
+def test_stored_gpu_runs_render_without_broken_numbers(run):
+    """Every stored H200 run renders (old runs' rows included): no negative number, no threshold, headlines."""
+    results = json.loads(run.read_text())
     report = render_report(results)
-    assert NA in report
-    assert not re.search(r"\| -\d", report) and "-0." not in report and " -3" not in report
-    entries = {entry["target"].split(" (")[0]: entry for entry in targets(results)}
-    assert {entry["status"] for entry in entries.values()} <= set(STATUSES)
-    rerank = entries["rerank time, every head every step / stability-aware"]
-    assert rerank["status"] == "not measured" and "3.37x (rows, not time)" in rerank["value"]
-    assert "238.72x, is not a rerank-time ratio" in report
-    loop = entries["fixed cost of the transformers loop"]
-    assert loop["status"] == "not measured" and "calibration inconsistent" in loop["value"]
-    tokens = entries["tokens/s at the largest batch >= 2x DynamicCache's at its largest"]
-    assert tokens["status"] == "NOT met" and "1.45x measured on 4 layers" in tokens["value"]
-    assert "13 = floor(106.99 GiB host limit / 8.00 GiB" in report
+    assert "1x NVIDIA H200" in report and "#### Headline numbers" in report
+    assert not re.search(r"\| -\d", report) and "-0." not in report
+    assert headlines(results) and "NOT met" not in report
 
 
 def test_host_profile_times_each_part_and_restores_everything(tmp_path, monkeypatch, capsys):

@@ -1,23 +1,20 @@
 """``flexicache bench``: memory, decode latency, rerank ablation, throughput and an offline mix, side by side.
 
-``--device cuda`` runs the GPU suite (Llama-3.1-8B shape with random weights, bf16, FlashInfer; ~7 minutes on one
-H200 including ~2 of JIT compile; ``--time-budget`` skips what does not fit); ``--device cpu`` runs the same cases on a tiny random model with the torch reference
-backend (CI: well under a minute). Every option left out takes the device's preset. Writes ``bench.json``,
-``report.md`` and PNG plots into ``--out``.
+``--device cuda`` runs the GPU suite (Llama-3.1-8B shape with random weights, bf16, FlashInfer; ``--time-budget``
+skips what does not fit); ``--device cpu`` runs the same cases on a tiny random model with the torch reference
+backend (what CI runs). Every option left out takes the device's preset. Writes ``bench.json``, ``report.md`` and
+PNG plots into ``--out``; ``--update-benchmarks BENCHMARKS.md`` then rewrites that file's generated sections
+(:mod:`flexicache.benchmarks.document`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
-
-MARKERS = ("<!-- flexicache-bench:start -->", "<!-- flexicache-bench:end -->")
 
 # Settings field -> (type, nargs, help). Defaults come from suite.PRESETS[device].
 OPTIONS: dict[str, tuple[type, str | None, str]] = {
@@ -81,7 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report-from", metavar="BENCH_JSON",
                         help="no measurement: re-render report.md and plots from a bench.json into --out")
     parser.add_argument("--update-benchmarks", metavar="MARKDOWN",
-                        help=f"replace the text between {MARKERS[0]} and {MARKERS[1]} in this file by the report")
+                        help=("then rewrite every generated section of this file (between '<!-- flexicache-bench "
+                              "PATH/bench.json -->' and '<!-- /flexicache-bench -->') from the bench.json it names; "
+                              "this run's bench.json must be one of them"))
     group = parser.add_argument_group("suite settings (default: the --device preset)")
     for name, (kind, nargs, help_text) in OPTIONS.items():
         flag = "--" + name.replace("_", "-")
@@ -129,23 +128,18 @@ def settings_from(args: argparse.Namespace) -> Any:
     return settings
 
 
-def update_markdown(path: Path, report: str) -> None:
-    """Replace the text between the markers in ``path`` by ``report``."""
-    text = path.read_text(encoding="utf-8")
-    pattern = re.compile(re.escape(MARKERS[0]) + ".*?" + re.escape(MARKERS[1]), re.DOTALL)
-    if not pattern.search(text):
-        raise SystemExit(f"{path} has no {MARKERS[0]} ... {MARKERS[1]} section to update")
-    path.write_text(pattern.sub(lambda _: f"{MARKERS[0]}\n{report}\n{MARKERS[1]}", text), encoding="utf-8")
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from flexicache.benchmarks.document import check_named, update_document
     from flexicache.benchmarks.plots import write_plots
     from flexicache.benchmarks.report import render_report, rerender_command
-    from flexicache.benchmarks.suite import run_suite
+    from flexicache.benchmarks.runner import run_suite
 
     out = Path(args.out)
+    source = Path(args.report_from) if args.report_from else out / "bench.json"
+    if args.update_benchmarks:
+        check_named(Path(args.update_benchmarks), source)
     rendered_by = None
     if args.report_from:
         results = json.loads(Path(args.report_from).read_text(encoding="utf-8"))
@@ -159,10 +153,9 @@ def run(args: argparse.Namespace) -> int:
             torch.set_num_threads(1)
         results = run_suite(settings, out, "flexicache " + shlex.join(sys.argv[1:]))
         print(f"flexicache bench: wrote {out / 'bench.json'}")
-    if args.update_benchmarks:
-        target = Path(args.update_benchmarks)
-        prefix = os.path.relpath(out.resolve(), target.resolve().parent)
-        update_markdown(target, render_report(results, plot_prefix=prefix, rendered_by=rendered_by))
     print(f"flexicache bench: wrote {out / 'report.md'} and plots {results.get('plots')}")
+    if args.update_benchmarks:
+        update_document(Path(args.update_benchmarks), source)
+        print(f"flexicache bench: rewrote the generated sections of {args.update_benchmarks}")
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flexicache.benchmarks.report import GIB, case_rows, find, memory_full
+from flexicache.benchmarks.results import GIB, case_rows, find, memory_full
 from flexicache.benchmarks.rerank import rerank_summary
 
 

@@ -1,4 +1,5 @@
-"""Markdown report of a ``flexicache bench`` run (from its ``bench.json`` alone), targets included."""
+"""Markdown report of a ``flexicache bench`` run, rendered from its ``bench.json`` alone: the setup, the headline
+numbers, one section per case, the plots."""
 
 from __future__ import annotations
 
@@ -7,282 +8,32 @@ import shlex
 from typing import Any
 
 from flexicache.benchmarks.attention import ATTENTION_SYSTEMS
-from flexicache.benchmarks.decode import calibration, extrapolate
-from flexicache.benchmarks.memory import offload_full_depth, prefill_text
+from flexicache.benchmarks.headlines import headlines
 from flexicache.benchmarks.rerank import rerank_summary
-from flexicache.benchmarks.suite import full_layers
-
-GIB = 2**30
-NA = "n/a (calibration inconsistent)"
-STATUSES = ("met", "NOT met", "reported", "not measured", "pending")
-
-
-def fmt(value: Any, digits: int = 2, scale: float = 1.0, suffix: str = "") -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, str):
-        return value
-    return f"{value / scale:.{digits}f}{suffix}"
-
-
-def size(value: float | None) -> str:
-    """Bytes in the largest binary unit that keeps the number at least 1 (``-`` for ``None``)."""
-    if value is None:
-        return "-"
-    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= scale:
-            return f"{value / scale:.2f} {unit}"
-    return f"{value:.0f} B"
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def case_rows(results: dict[str, Any], case: str) -> list[dict[str, Any]]:
-    return results.get("cases", {}).get(case, {}).get("rows", [])
-
-
-def find(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
-    return next((row for row in rows if all(row.get(key) == value for key, value in match.items())), None)
-
-
-# --------------------------------------------------------------------------------------------- full depth
-
-
-def checked_loop(loop: dict[str, Any]) -> dict[str, Any]:
-    """A loop calibration entry with its consistency (re)derived from the two measured step times, so that entries
-    of older runs (which clamped the fixed cost instead) are judged like new ones."""
-    full = loop.get("full_layers") or full_layers(loop["model"])
-    return {**loop, "full_layers": full, **calibration(loop["step_ms_1_layer"], loop["step_ms"], loop["layers"], full)}
-
-
-def loops(results: dict[str, Any]) -> list[dict[str, Any]]:
-    return [checked_loop(loop) for loop in results.get("loop", [])]
-
-
-def loop_for(results: dict[str, Any], model: str, batch: int) -> dict[str, Any] | None:
-    return find(loops(results), model=model, batch=batch)
-
-
-def step_full_depth(results: dict[str, Any], row: dict[str, Any], batch: int) -> tuple[dict[str, float] | None, str]:
-    """``(full-depth step_ms_p50 and tokens_per_s, "")`` re-derived from the row's measured p50 and the loop
-    calibration at ``batch``, else ``(None, why)``: "-" without a calibration, NA when it is inconsistent."""
-    loop = loop_for(results, row["model"], batch)
-    if loop is None or "step_ms_p50" not in row:
-        return None, "-"
-    if not loop["consistent"]:
-        return None, NA
-    step = extrapolate(loop, row["step_ms_p50"], row["layers"], loop["full_layers"])
-    if step is None:
-        return None, "n/a (step below the loop's fixed cost)"
-    return {"step_ms_p50": step, "tokens_per_s": 1000 * batch / step}, ""
-
-
-def mix_batches(results: dict[str, Any], row: dict[str, Any]) -> list[int]:
-    """Batch sizes whose loop calibration a mix row's full-depth estimate used."""
-    if "loop_batches" in row:
-        return row["loop_batches"]
-    settings = results["settings"]
-    count, size_ = settings["mix_requests"], settings["mix_batch"]
-    return sorted({min(size_, count - start) for start in range(0, count, size_)})
-
-
-def mix_full_depth(results: dict[str, Any], row: dict[str, Any]) -> tuple[dict[str, float] | None, str]:
-    entries = [loop_for(results, row["model"], batch) for batch in mix_batches(results, row)]
-    if not entries or any(entry is None for entry in entries):
-        return None, "-"
-    if not all(entry["consistent"] for entry in entries):
-        return None, NA
-    full = row.get("full_depth")
-    if not full or full.get("requests_per_s", -1) <= 0:
-        return None, "-"
-    return full, ""
-
-
-def memory_full(row: dict[str, Any]) -> dict[str, Any]:
-    """The memory row's full-depth bytes (``dynamic-offload``: one resident layer at any depth)."""
-    if row["system"] == "dynamic-offload" and not row["full_depth"].get("offloading"):
-        return offload_full_depth(row)
-    return row["full_depth"]
-
-
-def cell(value: float | None, why: str, digits: int = 1) -> str:
-    return why if value is None else fmt(value, digits)
-
-
-# ------------------------------------------------------------------------------------------------------- targets
-
-
-def host_bound_facts(results: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
-    """Numbers behind a throughput row's host bound: pinned bytes per sequence (what the bound uses), the host
-    tier's reserved bytes per sequence at the largest batch, the stable heads' exact KV per sequence, full depth."""
-    settings = results["settings"]
-    scale = full_layers(row["model"]) / row["layers"]
-    facts: dict[str, Any] = {"pinned": row["host_bytes_per_sequence_full"], "limit": row["host_limit_bytes"],
-                             "stable_share": 1 - settings["unstable_fraction"]}
-    if row.get("largest_batch") and row.get("host_reserved_bytes"):
-        facts["reserved"] = row["host_reserved_bytes"] / row["largest_batch"] * scale
-    memory = find(case_rows(results, "memory"), model=row["model"], system=row["system"],
-                  context=row["context"], batch=1)
-    if memory is not None:
-        facts["kv"] = memory["host_kv_bytes"] * full_layers(row["model"]) / memory["layers"]
-    elif row.get("probe_host_kv_bytes"):
-        facts["kv"] = row["probe_host_kv_bytes"] / row["probe_batch"] * scale
-    if facts.get("kv"):
-        facts["batch_at_kv"] = math.floor(row["host_limit_bytes"] / facts["kv"])
-    return facts
-
-
-def targets(results: dict[str, Any]) -> list[dict[str, str]]:
-    """Issue 6's targets for the run's first model at its long context, batch and budget (32k, 8, 1024 on the GPU):
-    value and status. Step-time ratios are judged on full-depth estimates when the loop calibration is consistent,
-    else on the measured (``--layers``) numbers, and the value says which."""
-    settings = results["settings"]
-    context, batch, budget = settings["attention_context"], settings["attention_batch"], settings["budget"]
-    system, model = f"flexicache-{budget}", settings["models"][0]
-    full = full_layers(model)
-    out = []
-
-    def rows_of(case: str) -> list[dict[str, Any]]:
-        return [row for row in case_rows(results, case) if row.get("model") == model]
-
-    def add(name: str, value: str | None, met: bool | None, status: str | None = None) -> None:
-        if status is None:
-            status = "pending" if value is None else ("reported" if met is None else ("met" if met else "NOT met"))
-        out.append({"target": name, "value": value or "no data in this run", "status": status})
-
-    memory = rows_of("memory")
-    fc, dyn = find(memory, system=system, context=context), find(memory, system="dynamic", context=context)
-    memory_fc, memory_dyn = fc, dyn  # for the peak target: ``fc``/``dyn`` name other rows further down
-    if fc and dyn:
-        share = (fc["device_kv_bytes"] + fc["device_metadata_bytes"]) / dyn["device_kv_bytes"]
-        add(f"device KV <= 30% of DynamicCache at {context} tokens, budget {budget}",
-            f"{share:.1%} with page min/max ({fc['device_kv_bytes'] / dyn['device_kv_bytes']:.1%} pages only, "
-            f"{fc['device_reserved_bytes'] / dyn['device_kv_bytes']:.1%} reserved); batch {fc.get('batch', 1)}, after "
-            f"{settings['memory_steps']} decode steps", share <= 0.30)
-    else:
-        add(f"device KV <= 30% of DynamicCache at {context} tokens, budget {budget}", None, None)
-
-    layer = rows_of("attention")
-    # With whole-step graphs (what generate runs) when the run has them, else the layer-by-layer system.
-    layered = "flexicache_step_graph" if layer and "flexicache_step_graph" in layer[0] else "flexicache"
-    speedup = layer[0]["speedup_vs_dense_flashinfer"][layered] if layer else None
-    add(f"attention-layer speedup >= 4x vs dense FlashInfer at {context}, batch {batch}",
-        None if speedup is None else (f"{speedup:.2f}x ({layered}: {layer[0][layered]['layer_ms_p50']:.3f} vs "
-                                      f"{layer[0]['dense_flashinfer']['layer_ms_p50']:.3f} ms/layer, p50)"),
-        None if speedup is None else speedup >= 4)
-
-    decode = rows_of("decode")
-    name = f"generate step at {context}, batch {batch} <= 1.2x the same loop at {settings['loop_context']}"
-    long_row = find(decode, system=system, context=context, batch=batch)
-    short_row = find(decode, system=system, context=settings["loop_context"], batch=batch)
-    if long_row and short_row:
-        ratio = long_row["step_ms_p50"] / short_row["step_ms_p50"]
-        value = (f"{ratio:.2f}x measured on {long_row['layers']} layers ({long_row['step_ms_p50']:.1f} vs "
-                 f"{short_row['step_ms_p50']:.1f} ms, p50)")
-        long_full, why = step_full_depth(results, long_row, batch)
-        short_full, _ = step_full_depth(results, short_row, batch)
-        if long_full and short_full:
-            ratio = long_full["step_ms_p50"] / short_full["step_ms_p50"]
-            value += f"; {ratio:.2f}x full-depth estimate"
-        else:
-            k = full / long_row["layers"]
-            bound = max(ratio, k * ratio - (k - 1))  # fixed cost f in [0, shorter step]: worst case at an end
-            value += (f"; full-depth estimate {why if why != '-' else 'not measured'}; if step = fixed + layers x "
-                      f"per-layer cost with any fixed cost in [0, "
-                      f"{min(long_row['step_ms_p50'], short_row['step_ms_p50']):.1f}] ms, the {full}-layer ratio is "
-                      f"at most {bound:.2f}x")
-        add(name, value, ratio <= 1.2)
-    else:
-        add(name, None, None)
-
-    throughput = rows_of("throughput")
-    fc, dyn = find(throughput, system=system), find(throughput, system="dynamic")
-    name_batch = f"largest batch at {settings['throughput_context']} >= 1.5x DynamicCache's"
-    name_tps = "tokens/s at the largest batch >= 2x DynamicCache's at its largest"
-    if fc and dyn and dyn.get("largest_batch"):
-        ratio = fc["largest_batch"] / dyn["largest_batch"]
-        value = (f"{fc['largest_batch']} vs {dyn['largest_batch']} = {ratio:.2f}x (estimated for {full} layers; "
-                 f"bound: {fc['bound']})")
-        if fc["bound"] == "host":
-            facts = host_bound_facts(results, fc)
-            value += (f": {fc['largest_batch']} = floor({size(facts['limit'])} host limit / {size(facts['pinned'])} "
-                      f"of pinned host memory per sequence), because the host tier keeps the full KV of the stable "
-                      f"heads ({facts['stable_share']:.0%} of the KV heads)")
-            if facts.get("batch_at_kv"):
-                value += (f"; even at their bare KV ({size(facts['kv'])} per sequence) the host would hold "
-                          f"{facts['batch_at_kv']} < the {math.ceil(1.5 * dyn['largest_batch'])} needed")
-        add(name_batch, value, ratio >= 1.5)
-        fc_full, why = step_full_depth(results, fc, fc["largest_batch"])
-        dyn_full, _ = step_full_depth(results, dyn, dyn["largest_batch"])
-        if fc.get("tokens_per_s") and dyn.get("tokens_per_s"):
-            tps_ratio = fc["tokens_per_s"] / dyn["tokens_per_s"]
-            value = (f"{fc['tokens_per_s']:.0f} (batch {fc['largest_batch']}) vs {dyn['tokens_per_s']:.0f} "
-                     f"(batch {dyn['largest_batch']}) tok/s = {tps_ratio:.2f}x measured on {fc['layers']} layers")
-            if fc_full and dyn_full:
-                tps_ratio = fc_full["tokens_per_s"] / dyn_full["tokens_per_s"]
-                value += (f"; {fc_full['tokens_per_s']:.0f} vs {dyn_full['tokens_per_s']:.0f} tok/s = "
-                          f"{tps_ratio:.2f}x full-depth estimate")
-            else:
-                value += f"; full-depth estimate {why if why != '-' else 'not measured'}"
-            add(name_tps, value, tps_ratio >= 2)
-        else:
-            add(name_tps, None, None)
-    else:
-        add(name_batch, None, None)
-        add(name_tps, None, None)
-
-    add(f"p99/p50 step time <= 1.3 ({system}, {context}, batch {batch})",
-        None if long_row is None else (f"{long_row['p99_over_p50']:.2f} (p50 {long_row['step_ms_p50']:.1f} ms, "
-                                       f"p99 {long_row['step_ms_p99']:.1f} ms = slowest of {settings['steps']} "
-                                       f"steps, {long_row['layers']} layers)" if settings["steps"] < 100 else
-                                       f"{long_row['p99_over_p50']:.2f} (p99 {long_row['step_ms_p99']:.1f} ms)"),
-        None if long_row is None else long_row["p99_over_p50"] <= 1.3)
-
-    name = f"fixed cost of the transformers loop (DynamicCache, {settings['loop_context']} tokens, batch {batch})"
-    loop = loop_for(results, model, batch)
-    if loop is None:
-        add(name, None, None)
-    elif loop["consistent"]:
-        add(name, f"{loop['step_ms']:.1f} ms/step on {loop['layers']} layers = {loop['fixed_ms']:.1f} ms fixed + "
-            f"{loop['per_layer_ms']:.2f} ms/layer; full depth {loop['full_depth_step_ms']:.1f} ms (estimate)", None)
-    else:
-        add(name, f"not measured: calibration inconsistent, {loop['inconsistency']}", None, "not measured")
-
-    name = "rerank time, every head every step / stability-aware (paper: 2.44x)"
-    summary = rerank_summary(rows_of("rerank"))
-    every, aware = summary.get("every_step"), summary.get("stability_aware")
-    if every is None or aware is None:
-        add(name, None, None)
-    elif every.get("rerank_time_vs_stability_aware") is not None:
-        add(name, f"{every['rerank_time_vs_stability_aware']:.2f}x ({every['rerank_ms']:.3f} vs "
-            f"{aware['rerank_ms']:.3f} ms/step: mean step over no_rerank's, one run); reranked rows/step "
-            f"{every['rows_vs_stability_aware']:.2f}x", None)
-    else:
-        why = ("this run recorded no mean step times" if aware["rerank_ms"] is None else
-               f"stability-aware rerank time {aware['rerank_ms']:.3f} ms <= 0: within noise")
-        add(name, f"not measured ({why}); the reranked rows per step ratio is "
-            f"{every['reranked_rows_per_step']:.0f} / {aware['reranked_rows_per_step']:.0f} = "
-            f"{every['rows_vs_stability_aware']:.2f}x (rows, not time)", None, "not measured")
-
-    name = f"peak device memory, prefill + decode, at {context} tokens <= 50% of DynamicCache's"
-    measured = bool(memory_fc and memory_dyn)
-    fc_peak, dyn_peak = (None if row is None else row["full_depth"].get("peak_bytes") for row in (memory_fc, memory_dyn))
-    if fc_peak is None or dyn_peak is None:
-        add(name, "not measured: the CUDA allocator's peak (a GPU run of the memory case)" if measured else None,
-            None, "not measured" if measured else None)
-    else:
-        how = "measured" if memory_fc["layers"] == memory_fc["full_depth"]["layers"] else "estimated from fewer layers"
-        add(name, f"{fc_peak / dyn_peak:.1%} ({size(fc_peak)} vs {size(dyn_peak)} at {full} layers, {how}; batch "
-            f"{memory_fc.get('batch', 1)}, prefill in {prefill_text(memory_fc.get('prefill_chunk', 0))})",
-            fc_peak / dyn_peak <= 0.5)
-    return out
+from flexicache.benchmarks.results import (
+    GIB,
+    NA,
+    cell,
+    find,
+    fmt,
+    host_bound_facts,
+    loops,
+    memory_full,
+    mix_full_depth,
+    peak_of,
+    size,
+    step_full_depth,
+    table,
+)
+from flexicache.benchmarks.suite import MODEL_SHAPES, full_layers
 
 
 # ------------------------------------------------------------------------------------------------------ sections
+
+
+def fewer_layers(rows: list[dict[str, Any]]) -> bool:
+    """Whether the rows were measured on fewer layers than the model has (so full-depth estimates add something)."""
+    return any(row.get("layers", 0) < full_layers(row["model"]) for row in rows)
 
 
 def memory_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -296,11 +47,12 @@ def memory_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             device += f" ({full['device_resident_layers']} layer resident)"
         out.append([row["model"], str(row["context"]), row["system"], device,
                     fmt(share, 1, 0.01, "%"), size(full["device_reserved_bytes"]), size(full["host_reserved_bytes"]),
-                    size(full.get("peak_bytes")), fmt(row["prefill_ms"], 0)])
+                    size(peak_of(row)[0]), fmt(row["prefill_ms"], 0)])
     layers = rows[0]["full_depth"]["layers"]
+    peak = f"peak ({layers} layers{', est.' if any(peak_of(row)[1] for row in rows) else ''})"
     text = table(["model", "context", "system", f"device KV+meta ({layers} layers)", f"% of Dynamic ({layers} layers)",
                   f"device reserved ({layers} layers)", f"host reserved ({layers} layers)",
-                  f"peak ({layers} layers, est.)", f"prefill ms ({rows[0]['layers']} layers)"], out)
+                  peak, f"prefill ms ({rows[0]['layers']} layers)"], out)
     offload = [row for row in rows if row["system"] == "dynamic-offload"]
     if offload:
         row = offload[0]
@@ -340,7 +92,7 @@ def decode_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     if results.get("loop"):
         parts.append(loop_table(results))
     estimates = {id(row): step_full_depth(results, row, row["batch"]) for row in rows}
-    with_full = any(full for full, _ in estimates.values())
+    with_full = fewer_layers(rows) and any(full for full, _ in estimates.values())
     out = []
     for row in rows:
         dyn = find(rows, system="dynamic", context=row["context"], batch=row["batch"], model=row["model"])
@@ -371,7 +123,7 @@ def decode_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     text += ("\n\n`GPU busy ms`: kernels + copies per step (torch profiler, measured at batch "
              f"{results['settings']['attention_batch']} only); `GPU idle` = 1 - busy / p50. `H2D/step`: FlexiCache's "
              "host-to-device counter; `-` = not counted (DynamicCache).")
-    if not with_full:
+    if not with_full and fewer_layers(rows):
         text += (f"\n\nFull-depth ({full_layers(rows[0]['model'])}-layer) step times and tokens/s: "
                  + (NA if any(why == NA for _, why in estimates.values()) else "not measured")
                  + "; only the measured numbers above are reported.")
@@ -467,7 +219,7 @@ def rerank_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 def throughput_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     estimates = {id(row): step_full_depth(results, row, row["largest_batch"]) if row.get("largest_batch") else
                  (None, "-") for row in rows}
-    with_full = any(full for full, _ in estimates.values())
+    with_full = fewer_layers(rows) and any(full for full, _ in estimates.values())
     out = []
     for row in rows:
         dyn = find(rows, system="dynamic", model=row["model"])
@@ -523,7 +275,7 @@ def throughput_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> s
 
 def mix_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     estimates = {id(row): mix_full_depth(results, row) for row in rows}
-    with_full = any(full for full, _ in estimates.values())
+    with_full = fewer_layers(rows) and any(full for full, _ in estimates.values())
     out = []
     for row in rows:
         dyn = find(rows, system="dynamic", model=row["model"])
@@ -567,33 +319,58 @@ PLOT_CAPTIONS = {"memory.png": "device bytes vs context, full depth (dynamic-off
                  "rerank.png": "step time per rerank schedule, measured"}
 
 
-def render_report(results: dict[str, Any], plot_prefix: str = "", rendered_by: str | None = None) -> str:
-    """The report; plot links point to ``plot_prefix/<name>.png`` (beside the report by default). ``rendered_by``:
-    the command that re-rendered it from ``bench.json`` (``--report-from``), stated under the measuring command."""
+PLOT_CASES = {"memory.png": "memory", "decode_speedup.png": "decode", "rerank.png": "rerank"}
+
+
+def hardware(env: dict[str, Any]) -> str:
+    """``"1x NVIDIA H200"``, or the CPU's core count."""
+    if not env.get("gpu"):
+        return f"CPU ({env['cpu_count']} cores)"
+    return f"{env['gpu_count']}x {env['gpu']}" if env.get("gpu_count") else env["gpu"]
+
+
+def model_text(name: str, settings: dict[str, Any]) -> str:
+    """The model's shape, how many of its layers ran, weights and dtype."""
+    shape = MODEL_SHAPES[name][1]
+    full, layers = shape["num_hidden_layers"], settings["layers"]
+    run = "all run" if layers == full else f"{layers} run, `full depth` numbers extrapolated per layer and labelled so"
+    return (f"{name} shape: {full} decoder layers ({run}), hidden size {shape['hidden_size']}, "
+            f"{shape['num_attention_heads']} query / {shape['num_key_value_heads']} KV heads, head dim "
+            f"{shape['head_dim']}; random weights, {settings['dtype']}")
+
+
+def setup_lines(results: dict[str, Any]) -> list[str]:
+    """Hardware, software versions, models and cache settings of the run, one paragraph each."""
     env, settings = results["env"], results["settings"]
-    hardware = env.get("gpu") or f"CPU ({env['cpu_count']} cores)"
-    if env.get("gpu") and env.get("gpu_count"):
-        hardware = f"{env['gpu_count']}x {hardware}"
-    lines = [f"### flexicache bench: {hardware}", "", f"Measured by: `{results['command']}`", ""]
-    if rendered_by:
-        lines += [f"Report (every derived number, table and plot) rendered from its `bench.json` by: `{rendered_by}`",
-                  ""]
-    lines += [
-        (f"torch {env['torch']}, transformers {env['transformers']}, flashinfer {env['flashinfer'] or 'not installed'}"
-         f", CUDA {env.get('cuda') or '-'}, host RAM {env['host_ram_bytes'] / GIB:.0f} GiB, Python {env['python']}."),
-        (f"Models {', '.join(settings['models'])} (random weights, {settings['dtype']}), {settings['layers']} decoder "
-         "layers run; `full depth` numbers are extrapolated per layer (estimates, labelled so), all others measured. "
-         f"Warm-up (JIT compile) {results.get('warmup_s', '-')} s, excluded from timings; run "
-         f"{results.get('elapsed_s', '-')} s."),
-        "", "#### Targets", "",
-        table(["target", "value", "status"], [[t["target"], t["value"], t["status"]] for t in targets(results)]),
-    ]
+    software = [f"Python {env['python']}", f"torch {env['torch']}", f"transformers {env['transformers']}",
+                f"FlashInfer {env['flashinfer'] or 'not installed'}"]
+    software += [f"triton {env['triton']}"] if env.get("triton") else []
+    software += [f"CUDA {env['cuda']}"] if env.get("cuda") else []
+    graphs = f"; CUDA graphs: {settings['cuda_graphs']}" if settings.get("cuda_graphs") else ""
+    return [f"{hardware(env)}, {env['cpu_count']} CPU cores, host RAM {env['host_ram_bytes'] / GIB:.0f} GiB; "
+            f"{', '.join(software)}.",
+            "Models: " + "; ".join(model_text(name, settings) for name in settings["models"]) + ".",
+            (f"FlexiCache: {settings['unstable_fraction']:.0%} of each layer's KV heads unstable (chosen at random), "
+             f"pages of {settings['page_size']} tokens, stable heads rerank every {settings['rerank_interval']} steps, "
+             f"backend {settings['backend']}{graphs}. Warm-up (JIT compile) {results.get('warmup_s', '-')} s, "
+             f"excluded from timings; run {results.get('elapsed_s', '-')} s.")]
+
+
+def render_body(results: dict[str, Any], plot_prefix: str = "", cases: list[str] | None = None, level: int = 4
+                ) -> str:
+    """Setup, headline numbers, the sections of ``cases`` (default: all the run has) with headings of ``level``,
+    and their plots; plot links point to ``plot_prefix/<name>.png``."""
+    heading = "#" * level
+    lines = [line + "\n" for line in setup_lines(results)]
+    found = headlines(results, cases)
+    if found:
+        lines += [f"{heading} Headline numbers", ""] + [f"- {line}" for line in found]
     for case, (title, render) in SECTIONS.items():
         data = results.get("cases", {}).get(case)
-        if data is None:
+        if data is None or (cases is not None and case not in cases):
             continue
         rows = data["rows"]
-        lines += ["", f"#### {title}", ""]
+        lines += ["", f"{heading} {title}", ""]
         lines += [f"{note}\n" for note in data["notes"]]
         if rows:
             lines.append(render(results, rows))
@@ -602,14 +379,25 @@ def render_report(results: dict[str, Any], plot_prefix: str = "", rendered_by: s
         for skip in data["skipped"]:
             label = ", ".join(f"{key}={value}" for key, value in skip.items() if key != "reason")
             lines.append(f"- skipped ({label}): {skip['reason']}")
-    plots = results.get("plots") or []
+    plots = [name for name in results.get("plots") or [] if cases is None or PLOT_CASES.get(name) in cases]
     if plots:
-        lines += ["", "#### Plots", ""]
+        lines += ["", f"{heading} Plots", ""]
         for name in plots:
             caption = PLOT_CAPTIONS.get(name)
             lines += [f"![{name}]({plot_prefix + '/' if plot_prefix else ''}{name})"] + (
                 [f"{name}: {caption}", ""] if caption else [""])
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def render_report(results: dict[str, Any], plot_prefix: str = "", rendered_by: str | None = None) -> str:
+    """The standalone report (``report.md``): plot links point to ``plot_prefix/<name>.png`` (beside the report by
+    default). ``rendered_by``: the command that re-rendered it from ``bench.json`` (``--report-from``), stated under
+    the measuring command."""
+    lines = [f"### flexicache bench: {hardware(results['env'])}", "", f"Measured by: `{results['command']}`", ""]
+    if rendered_by:
+        lines += [f"Report (every derived number, table and plot) rendered from its `bench.json` by: `{rendered_by}`",
+                  ""]
+    return "\n".join(lines) + "\n" + render_body(results, plot_prefix)
 
 
 def rerender_command(report_from: str, out: str, update_benchmarks: str | None = None) -> str:

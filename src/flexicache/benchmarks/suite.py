@@ -1,9 +1,9 @@
-"""Settings, model shapes, cache systems and the runner of ``flexicache bench``.
+"""What the cases of ``flexicache bench`` share: settings and presets, model shapes, cache systems, and the state
+of one run (:class:`Suite`: models, deadlines, memoised calibrations, results).
 
 A run builds random-weight models of real shapes (``--layers`` of the model's decoder layers; per-layer numbers are
-extrapolated to the full depth and labelled so), runs the cases in order under a time budget, and writes
-``bench.json`` and ``report.md`` into ``--out`` after every case (a run cut short keeps what it did), PNG plots at the
-end (``flexicache bench --report-from bench.json`` re-renders them).
+extrapolated to the full depth and labelled so). :mod:`flexicache.benchmarks.runner` runs the cases in order; this
+module imports no case, so that the cases, the report and the runner can all import it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from transformers import Cache, DynamicCache, LlamaConfig, MistralConfig, Pretra
 
 from flexicache import FlexiCache, HeadProfile, attention
 from flexicache.benchmarks.attention import Shape, random_profile
+from flexicache.benchmarks.measure import build_model
 
 GIB = 2**30
 CASES = ("memory", "decode", "attention", "rerank", "throughput", "mix")
@@ -191,8 +192,8 @@ class Settings:
 
 ALL_SYSTEMS_GPU = ["dynamic", "dynamic-offload", "dense", "flexicache-1024", "flexicache-2048", "quest-1024"]
 PRESETS: dict[str, dict[str, Any]] = {
-    # One H200: ~6.5 min in all, ~2 of them FlashInfer JIT compile. The attention case (dense FlashInfer baseline,
-    # also `python -m flexicache.benchmarks.attention`) runs only when asked for with --cases.
+    # One GPU (sized for an H200). The attention case (dense FlashInfer baseline, also
+    # `python -m flexicache.benchmarks.attention`) runs only when asked for with --cases.
     "cuda": {
         "models": ["llama-3.1-8b"], "layers": 4, "dtype": "bfloat16", "time_budget": 390.0, "warmup": 20,
         "steps": 32, "profile_steps": 4, "cases": ["memory", "decode", "rerank", "throughput", "mix"],
@@ -207,7 +208,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "mix_requests": 8, "mix_batch": 8, "mix_input": [10240, 30720], "mix_output": [50, 1500],
         "mix_max_steps": 64, "mix_systems": ["dynamic", "flexicache-1024"],
     },
-    # Tiny random Llama on the CPU (reference backend): exercises every case in well under a minute.
+    # Tiny random Llama on the CPU (reference backend): exercises every case, small enough for CI.
     "cpu": {
         "models": ["tiny-llama"], "layers": 2, "dtype": "float32", "time_budget": 0.0, "warmup": 4, "steps": 12,
         "profile_steps": 0, "cases": ["memory", "decode", "rerank", "throughput", "mix"],
@@ -240,7 +241,8 @@ def environment(settings: Settings) -> dict[str, Any]:
     """Versions and hardware of this run."""
     env = {
         "python": platform.python_version(), "torch": torch.__version__, "transformers": package_version("transformers"),
-        "flashinfer": package_version("flashinfer-python"), "flexicache": package_version("flexicache"),
+        "flashinfer": package_version("flashinfer-python"), "triton": package_version("triton"),
+        "flexicache": package_version("flexicache"),
         "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "host_ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
     }
@@ -251,7 +253,7 @@ def environment(settings: Settings) -> dict[str, Any]:
     return env
 
 
-# ---------------------------------------------------------------------------------------------------- runner
+# ------------------------------------------------------------------------------------------------ run state
 
 
 @dataclass
@@ -299,8 +301,6 @@ class Suite:
 
     def model(self, name: str, layers: int | None = None) -> Any:
         """The random-weight model of shape ``name`` with ``layers`` decoder layers (``--layers`` by default)."""
-        from flexicache.benchmarks.measure import build_model
-
         layers = layers or self.settings.layers
         if (name, layers) not in self.models:
             self.models[(name, layers)] = build_model(model_config(name, layers), self.device, self.dtype,
@@ -342,20 +342,6 @@ class Suite:
         result.rows.append(row)
         print(f"[{self.elapsed():7.1f}s] {json.dumps(compact(row))}", flush=True)
 
-    # ---------------------------------------------------------------------------------------------- output
-
-    def write(self, plots: bool) -> None:
-        """``bench.json`` and ``report.md`` (after every case, so a run cut short keeps them), and the plots."""
-        from flexicache.benchmarks.plots import write_plots
-        from flexicache.benchmarks.report import render_report
-
-        self.results["elapsed_s"] = round(self.elapsed(), 1)
-        self.out.mkdir(parents=True, exist_ok=True)
-        if plots:
-            self.results["plots"] = write_plots(self.results, self.out)
-        (self.out / "bench.json").write_text(json.dumps(self.results, indent=1) + "\n", encoding="utf-8")
-        (self.out / "report.md").write_text(render_report(self.results), encoding="utf-8")
-
 
 def compact(row: dict[str, Any]) -> dict[str, Any]:
     """``row`` with floats rounded, for the progress log."""
@@ -378,43 +364,3 @@ def release(device: torch.device) -> None:
         gc.collect()
         torch.cuda.empty_cache()
         empty_pinned_cache()  # e.g. DynamicCache(offloading=True)'s pinned blocks
-
-
-def run_suite(settings: Settings, out: Path, command: str = "") -> dict[str, Any]:
-    """Run the selected cases for every model; returns the results written to ``out/bench.json``."""
-    from flexicache.benchmarks import decode, memory, rerank, throughput
-
-    runners = {"memory": memory.run, "decode": decode.run, "attention": rerank.run_attention, "rerank": rerank.run,
-               "throughput": throughput.run, "mix": throughput.run_mix}
-    torch.manual_seed(settings.seed)
-    suite = Suite(settings, out, command)
-    print(f"flexicache bench: {settings.device}, models {settings.models}, {settings.layers} layers, "
-          f"cases {settings.cases}", flush=True)
-    suite.results["warmup_s"] = round(warmup(suite), 1)
-    cases = [case for case in CASES if case in settings.cases]
-    for index, case in enumerate(cases):
-        suite.set_case_deadline(cases[index:])
-        result = CaseResult()
-        for model_name in settings.models:
-            runners[case](suite, model_name, result)
-        suite.results["cases"][case] = dataclasses.asdict(result)
-        suite.write(plots=False)
-    suite.write(plots=True)
-    return suite.results
-
-
-def warmup(suite: Suite) -> float:
-    """A short prefill + decode per attention path (FlashInfer/Triton JIT compile, cuBLAS, sdpa), untimed."""
-    from flexicache.benchmarks.measure import random_ids, timed_generate
-
-    start = time.perf_counter()
-    settings = suite.settings
-    prompt = 8 * settings.page_size
-    for model_name in settings.models:
-        model = suite.model(model_name)
-        ids = random_ids(1, prompt, model.config.vocab_size, suite.device, settings.seed)
-        for system in systems(["dynamic", f"flexicache-{2 * settings.page_size}", "dense"]):
-            model.set_attn_implementation(system.attn_implementation)
-            timed_generate(model, system.make_cache(model.config, prompt + 8, settings), ids, 4)
-            release(suite.device)
-    return time.perf_counter() - start

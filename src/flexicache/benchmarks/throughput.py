@@ -27,7 +27,7 @@ import torch
 
 from flexicache.benchmarks.decode import decode_run, full_depth_ms, with_full_depth
 from flexicache.benchmarks.measure import random_ids, timed_generate, weight_bytes
-from flexicache.benchmarks.report import size
+from flexicache.benchmarks.results import size
 from flexicache.benchmarks.suite import GIB, CaseResult, Suite, System, full_layers, systems
 
 
