@@ -27,7 +27,6 @@ from transformers import Cache, DynamicCache, LlamaConfig, MistralConfig, Pretra
 
 from flexicache import FlexiCache, HeadProfile, attention
 from flexicache.benchmarks.attention import Shape, random_profile
-from flexicache.benchmarks.measure import build_model
 
 GIB = 2**30
 CASES = ("memory", "decode", "attention", "rerank", "throughput", "mix")
@@ -301,6 +300,8 @@ class Suite:
 
     def model(self, name: str, layers: int | None = None) -> Any:
         """The random-weight model of shape ``name`` with ``layers`` decoder layers (``--layers`` by default)."""
+        from flexicache.benchmarks.measure import build_model
+
         layers = layers or self.settings.layers
         if (name, layers) not in self.models:
             self.models[(name, layers)] = build_model(model_config(name, layers), self.device, self.dtype,
