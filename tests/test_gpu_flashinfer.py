@@ -23,6 +23,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 
 from flexicache import FlexiCache, HeadProfile, disable_step_graphs  # noqa: E402
 from flexicache.backends import ReferenceBackend, build_decode_layout  # noqa: E402
+from flexicache.decode_paths import FusedDecode, TorchDecode  # noqa: E402
 
 
 def relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
@@ -152,7 +153,7 @@ def test_host_tier_round_trip_is_bit_exact() -> None:
     with torch.inference_mode():
         model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, do_sample=False)
         model.generate(ids, attention_mask=mask, past_key_values=dense, max_new_tokens=40, do_sample=False)
-    assert cache.layers[0].offloaded.host.k.is_pinned()
+    assert cache.layers[0].storage.offloaded.host.k.is_pinned()
     real = cache.sequence.logical_valid()[:, : ids.shape[1]].to("cuda")
     for flexi_layer, dense_layer in zip(cache.layers, dense.layers):
         keys, values = flexi_layer.read_logical()
@@ -188,10 +189,12 @@ def test_fused_decode_table_matches_torch_table() -> None:
             object.__setattr__(cache.settings, "group_reduce", reduce)
             query = torch.randn(3, model.config.num_attention_heads, 1, model.config.head_dim, device="cuda",
                                 dtype=torch.bfloat16)
+            plan = cache.sequence.last_plan
             for layer in cache.layers:
                 rows_query = query.reshape(3 * 2, -1, model.config.head_dim)
-                expected = layer._decode_table(rows_query, layer.plan)
-                assert listed_pages(layer._fused_table(rows_query, layer.plan)) == listed_pages(expected)
+                assert isinstance(layer.path, FusedDecode)  # the reference backend on CUDA: fused kernels, eagerly
+                expected = TorchDecode(layer.storage, layer.backend).table(rows_query, plan)
+                assert listed_pages(layer.path.table(rows_query, plan)) == listed_pages(expected)
 
 
 def test_cuda_graph_decode_matches_eager_launches() -> None:
@@ -213,8 +216,8 @@ def test_cuda_graph_decode_matches_eager_launches() -> None:
         results[graphs], caches[graphs] = torch.stack(logits), cache
     assert torch.equal(results[True], results[False])
     graphed = caches[True]
-    assert all(layer.graph is not None for layer in graphed.layers)
-    captures = [layer.graph.captures for layer in graphed.layers]
+    assert all(layer.graphed.graph is not None for layer in graphed.layers)
+    captures = [layer.graphed.graph.captures for layer in graphed.layers]
     assert all(1 <= count <= 10 for count in captures), captures  # replayed; re-captured on growth only
     assert graphed.stats()["promoted_pages"] == caches[False].stats()["promoted_pages"] > 0
 
@@ -233,7 +236,8 @@ def test_zero_copy_transfers_match_torch_indexing(monkeypatch: pytest.MonkeyPatc
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True)
-        assert all(layer.offloaded.zero_copy is zero_copy for layer in cache.layers if layer.offloaded is not None)
+        stable = [layer.storage.offloaded for layer in cache.layers if layer.storage.offloaded is not None]
+        assert all(offloaded.zero_copy is zero_copy for offloaded in stable)
         results[zero_copy] = transfer_outcome(cache, out.logits)
     assert_same_transfer_outcome(results[True], results[False])
 

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
+from flexicache.backends.flashinfer import FlashInferBackend  # noqa: E402
 from flexicache.backends.triton_select import _order_key, _top_keys  # noqa: E402
 
 
@@ -99,6 +100,7 @@ def check_table() -> None:
     """Every row lists the same pages (slot, length, order) as the torch table: unstable rows over and under the
     budget, stable rows, max and sum over the GQA group, random and all-zero queries (ties everywhere)."""
     from flexicache import FlexiCache, HeadProfile
+    from flexicache.decode_paths import FusedDecode, TorchDecode
 
     model = tiny_model()
     for unstable in ([(0, 0), (1, 1)], [(0, 0), (0, 1)], []):
@@ -111,9 +113,11 @@ def check_table() -> None:
                 object.__setattr__(cache.settings, "group_reduce", reduce)
                 for query in (torch.randn(3, 8, 1, 32), torch.zeros(3, 8, 1, 32)):
                     rows_query = query.reshape(3 * 2, -1, 32)
+                    plan = cache.sequence.last_plan
                     for layer in cache.layers:
-                        expected = listed_pages(layer._decode_table(rows_query, layer.plan))
-                        assert listed_pages(layer._fused_table(rows_query, layer.plan)) == expected, (unstable, reduce)
+                        expected = listed_pages(TorchDecode(layer.storage, layer.backend).table(rows_query, plan))
+                        fused = FusedDecode(layer.storage, layer.backend).table(rows_query, plan)
+                        assert listed_pages(fused) == expected, (unstable, reduce)
 
 
 @triton.jit
@@ -179,7 +183,8 @@ def check_transfers() -> None:
             with torch.inference_mode():
                 out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40,
                                      do_sample=False, output_logits=True, return_dict_in_generate=True)
-            assert all(layer.offloaded.zero_copy is zero_copy for layer in cache.layers if layer.offloaded is not None)
+            stable = [layer.storage.offloaded for layer in cache.layers if layer.storage.offloaded is not None]
+            assert all(offloaded.zero_copy is zero_copy for offloaded in stable)
             results[zero_copy] = transfer_outcome(cache, out.logits)
         assert_same_transfer_outcome(results[True], results[False])
 
@@ -264,6 +269,7 @@ class FlashInferStandIn:
     index buffer (``indices[indptr[r]:indptr[r + 1]]``, tail last with ``last_page_len`` tokens)."""
 
     name = "flashinfer-stand-in"
+    paged_decode = FlashInferBackend.paged_decode  # the table path: compacts the table into the planned buffer
 
     def __init__(self, launches: list) -> None:
         self.launches = launches
@@ -278,7 +284,8 @@ class FlashInferStandIn:
         self.scale = scale
         return planned
 
-    def run_prepared(self, planned, query, pool_k, pool_v, out):
+    def run_prepared(self, planned, query, pool_k, pool_v, out=None):
+        out = torch.empty_like(query) if out is None else out
         self.launches.append(("flashinfer", query.data_ptr(), pool_k.data_ptr(), pool_k.shape, out.data_ptr(),
                               planned.indices.data_ptr(), self.scale))
         return listed_pages_attention(query, pool_k, pool_v, planned, self.scale, out)
@@ -330,7 +337,7 @@ def check_graph() -> None:
     would replay, the launches must match the captured ones exactly (tensor storage, shapes and scalars), i.e.
     nothing the graph reads moved without a re-capture; through left padding, reranks, promotions, tail retirements,
     growth, a crop and a continued generate. Tokens must equal the torch reference path's."""
-    from flexicache import FlexiCache, HeadProfile, cache, decode_graph
+    from flexicache import FlexiCache, HeadProfile, decode_graph
     from flexicache.backends import triton_select
 
     torch.cuda.synchronize = lambda *args, **kwargs: None
@@ -363,31 +370,39 @@ def check_graph() -> None:
     model = tiny_model()
     profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
     ids, mask = padded_batch()
-    original = (cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run)
-
-    def lazy_initialization(self, keys, values):
-        original[1](self, keys, values)
-        self.fused_table = True
-        if self.offloaded is not None:
-            self.offloaded.zero_copy = True
-
     tokens = {}
     for mode in ("graph", "reference"):
+        with cuda_path_on_cpu(lambda: FlashInferStandIn(launches)) if mode == "graph" else contextlib.nullcontext():
+            original_run = decode_graph.DecodeGraph.run
+            decode_graph.DecodeGraph.run = run if mode == "graph" else original_run
+            try:
+                flexi = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4)
+                with torch.inference_mode():
+                    tokens[mode] = generate_crop_continue(model, flexi, ids, mask, first_tokens=40)
+            finally:
+                decode_graph.DecodeGraph.run = original_run
         if mode == "graph":
-            cache.resolve_backend = lambda name, device, dtype, head_dim: FlashInferStandIn(launches)
-            cache.FlexiLayer.lazy_initialization = lazy_initialization
-            decode_graph.DecodeGraph.run = run
-        else:
-            cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run = original
-        flexi = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4)
-        with torch.inference_mode():
-            tokens[mode] = generate_crop_continue(model, flexi, ids, mask, first_tokens=40)
-        if mode == "graph":
-            captures = [layer.graph.captures for layer in flexi.layers]
+            captures = [layer.graphed.graph.captures for layer in flexi.layers]
             assert all(1 <= count <= 12 for count in captures), captures  # most steps replay
             assert flexi.stats()["promoted_pages"] > 0
     assert not mismatches, mismatches[:1]
     assert all(torch.equal(a, b) for a, b in zip(tokens["graph"], tokens["reference"]))
+
+
+@contextlib.contextmanager
+def cuda_path_on_cpu(make_backend):
+    """Give new caches the CUDA path on CPU tensors: the Triton decode kernels (interpreted), zero-copy transfers
+    and ``make_backend()`` as every layer's backend (a FlashInfer stand-in: the CUDA-graph decode path)."""
+    from flexicache import backends, decode_paths, offload
+
+    original = (backends.resolve_backend, decode_paths.fused_kernels_available, offload.zero_copy_available)
+    backends.resolve_backend = lambda name, device, dtype, head_dim: make_backend()
+    decode_paths.fused_kernels_available = lambda device, head_dim: True
+    offload.zero_copy_available = lambda device: True
+    try:
+        yield
+    finally:
+        backends.resolve_backend, decode_paths.fused_kernels_available, offload.zero_copy_available = original
 
 
 class ExternalReads(TorchDispatchMode):
@@ -443,13 +458,14 @@ class ExternalReads(TorchDispatchMode):
 
 def host_state(flexi) -> list:
     """The cache's host-side bookkeeping (what a graph replay cannot change)."""
-    state = [flexi.sequence.num_chunks, flexi.sequence.logical_length, flexi.sequence.num_tokens_host.tolist()]
+    sequence = flexi.sequence
+    state = [sequence.num_chunks, sequence.logical_length, sequence.last_chunk_start, sequence.decode_steps,
+             sequence.num_tokens_host.tolist(), id(sequence.last_plan)]
     for layer in flexi.layers:
-        state += [layer.logical_length, layer.committed_length, layer.num_chunks, layer.decode_steps,
-                  layer.unstable_counters.reranks, id(layer.plan)]
-        if layer.offloaded is not None:
-            state += [layer.offloaded.steps_since_rerank, layer.offloaded.counters.reranks,
-                      layer.offloaded.counters.bytes_d2h]
+        state += [layer.num_chunks, layer.get_seq_length(), layer.unstable_counters.reranks]
+        offloaded = layer.storage.offloaded
+        if offloaded is not None:
+            state += [offloaded.steps_since_rerank, offloaded.counters.reranks, offloaded.counters.bytes_d2h]
     return state
 
 
@@ -462,13 +478,13 @@ class EmulatedGraph:
         self.run_forward, self.flexi, self.reads, self.problems, self.recorded = run_forward, flexi, reads, problems, None
         # What a real graph bakes in: each layer's recorded work (a replay may follow a step whose host work was done
         # by prepare_replay, which leaves these as the last recording set them).
-        self.layer_work = [(layer._recorded_rerank, layer._recorded_launch) for layer in flexi.layers]
+        self.layer_work = [(layer.graphed.recorded_rerank, layer.graphed.recorded_launch) for layer in flexi.layers]
 
     def replay(self) -> None:
         before = host_state(self.flexi)
         for layer, (rerank, launch) in zip(self.flexi.layers, self.layer_work):
-            layer._recorded_rerank, layer._recorded_launch = rerank, launch
-        with ExternalReads() as mode, self.flexi.recording():
+            layer.graphed.recorded_rerank, layer.graphed.recorded_launch = rerank, launch
+        with ExternalReads() as mode, self.flexi.step_graphs.recording():
             self.recorded.output = self.run_forward()
         if mode.reads != self.reads:
             self.problems.append(next((i, a, b) for i, (a, b) in enumerate(zip(mode.reads, self.reads)) if a != b))
@@ -483,7 +499,7 @@ def emulated_recording(problems: list):
     def record(store, key, flexi, tensors, forward):
         inputs = {name: tensor.clone() for name, tensor in tensors.items()}
         before = host_state(flexi)
-        with ExternalReads() as mode, flexi.recording():
+        with ExternalReads() as mode, flexi.step_graphs.recording():
             output = forward(inputs)
         assert host_state(flexi) == before
         graph = EmulatedGraph(lambda: forward(inputs), flexi, mode.reads, problems)
@@ -496,40 +512,19 @@ def emulated_recording(problems: list):
 
 @contextlib.contextmanager
 def graph_path_on_cpu(make_backend, record):
-    """Route new caches through the whole-step graph path on CPU tensors: the layers take the CUDA path's kernels
-    (interpreted) with ``make_backend()`` for FlashInfer and zero-copy transfers, each layer's graph runs its launch,
-    ``record`` stands in for ``step_graph._record``; readiness is the real check after a graphed step (only the
-    capacity) and the layers' check without the CUDA device test before one."""
-    from flexicache import cache, decode_graph, step_graph
+    """Route new caches through the whole-step graph path on CPU tensors: :func:`cuda_path_on_cpu`, each layer's
+    graph runs its launch, ``record`` stands in for ``step_graph._record`` and the CPU counts as one CUDA device."""
+    from flexicache import decode_graph, step_graph
 
-    original = (cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run,
-                cache.FlexiCache.graphed_step_ready, step_graph._record)
-
-    def lazy_initialization(self, keys, values):
-        original[1](self, keys, values)
-        self.fused_table = True
-        if self.offloaded is not None:
-            self.offloaded.zero_copy = True
-            self.offloaded.counters.promoted_pages = torch.zeros((), dtype=torch.long)
-            self.offloaded.counters.bytes_h2d = torch.zeros((), dtype=torch.long)
-
-    def graphed_step_ready(self):
-        if self.step_graphs.storage is not None and self.step_graphs.chunk == self.sequence.num_chunks:
-            return original[3](self)
-        page_size = self.settings.page_size
-        next_pages = (int(self.sequence.num_tokens_host.max()) + page_size) // page_size
-        return self.settings.cuda_graphs and all(layer.graphed_step_ready(next_pages) for layer in self.layers)
-
-    cache.resolve_backend = lambda name, device, dtype, head_dim: make_backend()
-    cache.FlexiLayer.lazy_initialization = lazy_initialization
+    original = (decode_graph.DecodeGraph.run, step_graph._single_cuda_device, step_graph._record)
     decode_graph.DecodeGraph.run = lambda self, launch, storage_key: (launch(), self.output)[1]
-    cache.FlexiCache.graphed_step_ready = graphed_step_ready
+    step_graph._single_cuda_device = lambda layers: True
     step_graph._record = record
     try:
-        yield
+        with cuda_path_on_cpu(make_backend):
+            yield
     finally:
-        (cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run,
-         cache.FlexiCache.graphed_step_ready, step_graph._record) = original
+        decode_graph.DecodeGraph.run, step_graph._single_cuda_device, step_graph._record = original
 
 
 def check_step() -> None:
@@ -561,8 +556,9 @@ def check_step() -> None:
         with graph_path if mode == "step graphs" else contextlib.nullcontext():
             flexi = FlexiCache.from_model(model, profile=profile, token_budget=32, page_size=4, rerank_interval=4)
             finished = []  # steps whose host work was split around the replay (prepare_replay / finish_replay)
-            finish_replay = flexi.finish_replay
-            flexi.finish_replay = lambda plan: (finished.append(plan.num_new_pages), finish_replay(plan))[1]
+            finish_replay = flexi.step_graphs.finish_replay
+            flexi.step_graphs.finish_replay = lambda plan: (finished.append(plan.num_new_pages),
+                                                            finish_replay(plan))[1]
             grew = []
             clear = flexi.step_graphs.clear
             flexi.step_graphs.clear = lambda: (  # note the clears of a storage change (not those of a reset)

@@ -24,6 +24,11 @@ from flexicache.selection import select_pages
 from flexicache.sequence import AppendPlan, host_to_device, per_row
 
 
+def zero_copy_available(device: torch.device) -> bool:
+    """Whether page moves between the host tier and ``device`` run as zero-copy Triton kernels (CUDA + Triton)."""
+    return device.type == "cuda" and triton_available()
+
+
 @dataclass
 class TransferCounters:
     """Host <-> device traffic and rerank work of one layer's stable heads.
@@ -98,7 +103,7 @@ class OffloadedPages:
                              capacity=host_pages)
         self.counters = TransferCounters()
         self.steps_since_rerank = 0
-        self.zero_copy = device.type == "cuda" and triton_available()
+        self.zero_copy = zero_copy_available(device)
         if self.zero_copy:  # counted on the device, in place (a whole-step CUDA graph replays the additions)
             self.counters.promoted_pages = torch.zeros((), dtype=torch.long, device=device)
             self.counters.bytes_h2d = torch.zeros((), dtype=torch.long, device=device)
