@@ -58,6 +58,10 @@ def test_caches_sharing_the_flashinfer_backend_interleave_graphed_steps() -> Non
     run_interpreted("interleave")
 
 
+def test_caches_on_the_cuda_paths_are_freed_by_reference_counting() -> None:
+    run_interpreted("freeing")
+
+
 def tiny_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -639,7 +643,90 @@ def check_interleave() -> None:
         assert all(torch.equal(tokens[name], reference[name]) for name in prompts), tensor_cores
 
 
+class StreamStandIn:
+    def wait_stream(self, other) -> None:
+        pass
+
+
+class CapturedGraph:
+    """What a CUDA graph keeps of Python: nothing (a replay runs the recorded kernels, not the code that launched
+    them), so a stand-in replay does nothing."""
+
+    def replay(self) -> None:
+        pass
+
+
+def capture_stand_in(launch, device, pool=None) -> CapturedGraph:
+    launch()  # a capture runs the Python once, recording what it launches
+    return CapturedGraph()
+
+
+def check_freeing() -> None:
+    """With the cycle collector off, a cache nobody refers to any more is freed, its layers, storage and decode
+    paths with it, on the CUDA paths run on CPU tensors: the fused kernels launched eagerly, per-layer CUDA graphs
+    and whole-step graphs, the caches sharing one FlashInfer backend (the real one over a torch stand-in of
+    FlashInfer's wrapper, as the process-wide one is shared), through prefill, reranks, promotions, tail
+    retirements, growth, a crop and a continued generate. Captures run their launch once and keep nothing of it;
+    replays do nothing (the outputs are check_graph's and check_step's concern). ``close()`` frees a cache's
+    storage and recorded steps at once, while it is still referred to."""
+    import gc
+    import types
+    import weakref
+
+    from flexicache import FlexiCache, HeadProfile, decode_graph, disable_step_graphs, enable_step_graphs, step_graph
+    from flexicache.backends import ReferenceBackend
+
+    sys.modules["flashinfer"] = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=DecodeWrapperStandIn,
+                                                      __version__="0.7.2.post1")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    torch.cuda.graph_pool_handle = lambda: None
+    torch.cuda.current_stream = lambda device=None: StreamStandIn()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    decode_graph.capture = step_graph.capture = capture_stand_in
+    step_graph.capture_stream = lambda device: StreamStandIn()
+    step_graph._single_cuda_device = lambda layers: True
+    shared = FlashInferBackend(torch.device("cpu"))
+    model = tiny_model()
+    profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
+    ids, mask = padded_batch()
+    settings = {"profile": profile, "token_budget": 32, "page_size": 4, "rerank_interval": 4}
+    cases = {"FusedDecode": (ReferenceBackend, disable_step_graphs), "GraphedDecode": (lambda: shared,
+             disable_step_graphs), "whole-step graphs": (lambda: shared, enable_step_graphs)}
+    for name, (make_backend, step_graphs) in cases.items():
+        gc.collect()
+        gc.disable()
+        try:
+            with cuda_path_on_cpu(make_backend):
+                cache = FlexiCache.from_model(model, **settings)
+                step_graphs(model)
+                with torch.inference_mode():
+                    generate_crop_continue(model, cache, ids, mask, first_tokens=20)
+                stats, paths = cache.stats(), {type(layer.path).__name__ for layer in cache.layers}
+                parts = [cache, *cache.layers, *(layer.storage for layer in cache.layers),
+                         *(layer.path for layer in cache.layers)]
+                refs = [weakref.ref(part) for part in parts]
+                del cache, parts
+            alive = [ref() for ref in refs if ref() is not None]
+            assert not alive, (name, type(alive[0]).__name__, [type(r).__name__ for r in gc.get_referrers(alive[0])])
+        finally:
+            gc.enable()
+        assert paths == {name if name != "whole-step graphs" else "GraphedDecode"}, (name, paths)
+        assert stats["promoted_pages"] > 0 and (stats["step_graph_replays"] > 0) == (name == "whole-step graphs")
+    gc.disable()
+    try:
+        with cuda_path_on_cpu(lambda: shared), FlexiCache.from_model(model, **settings) as cache:
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, do_sample=False)
+            held = [weakref.ref(layer.storage) for layer in cache.layers]
+            held += [weakref.ref(recorded) for recorded in cache.step_graphs.steps.values()]
+            assert len(held) > 2
+        assert all(ref() is None for ref in held) and cache.closed
+    finally:
+        gc.enable()
+
+
 if __name__ == "__main__":
     checks = {"table": check_table, "topk": check_topk, "transfers": check_transfers, "rerank": check_rerank, "graph": check_graph,
-              "step": check_step, "interleave": check_interleave}
+              "step": check_step, "interleave": check_interleave, "freeing": check_freeing}
     checks[sys.argv[1]]()

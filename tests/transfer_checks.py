@@ -35,7 +35,7 @@ def assert_selected_slots_hold_their_pages(cache: FlexiCache) -> None:
         pages = layer.storage.offloaded
         if pages is None:
             continue
-        host_k, host_v = pages._host_pages()
+        host_k, host_v = pages.host.pages()
         row, column = (pages.selected >= 0).nonzero(as_tuple=True)
         device_slot = pages.base + row * pages.k + column
         host_page = (row * pages.host.k.shape[2] + pages.selected[row, column]).to(host_k.device)
