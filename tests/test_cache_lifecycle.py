@@ -7,6 +7,7 @@ on the CPU in test_triton_interpreted.py (``check_freeing``) and on the GPU in t
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
 import weakref
@@ -143,3 +144,42 @@ def test_the_flexicache_attention_without_a_flexicache_warns_once_that_decoding_
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         greedy(model, ids, DynamicCache(config=config), max_new_tokens=3)  # once per process
+
+
+GRAD_MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "plain": contextlib.nullcontext}
+
+
+def decode_in_modes(model, cache, ids: torch.Tensor, modes: list[str], steps: int) -> list[int]:
+    """Prefill ``ids`` under ``modes[0]``, then ``steps`` greedy decode steps, step ``i`` under
+    ``modes[(i + 1) % len(modes)]`` with a crop of the last 3 positions halfway; the tokens."""
+    with GRAD_MODES[modes[0]]():
+        logits = model(ids, past_key_values=cache).logits
+    tokens = [int(logits[0, -1].argmax())]
+    for step in range(steps):
+        with GRAD_MODES[modes[(step + 1) % len(modes)]]():
+            if step == steps // 2:
+                cache.crop(-3)
+                tokens = tokens[:-3]
+            logits = model(torch.tensor([[tokens[-1]]]), past_key_values=cache).logits
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens
+
+
+@pytest.mark.parametrize("modes", [["inference_mode", "no_grad", "plain"], ["plain", "inference_mode", "no_grad"],
+                                   ["no_grad", "plain", "inference_mode"]], ids="-then-".join)
+def test_any_grad_mode_in_any_order(modes: list[str]) -> None:
+    """A cache filled under one grad mode decodes under the others, step after step and through a crop, with the
+    tokens of a run in inference mode alone; its buffers never join an autograd graph and are never inference
+    tensors (which would refuse the next in-place write outside inference mode)."""
+    config = tiny_config(num_layers=3)
+    model = tiny_model(config)
+    ids = random_prompt(30, seed=5).view(1, -1)
+    settings = {"profile": mixed_profile(config), "token_budget": 16, "page_size": 4, "rerank_interval": 3}
+    expected = decode_in_modes(model, FlexiCache.from_model(model, **settings), ids, ["inference_mode"], 14)
+    cache = FlexiCache.from_model(model, **settings)
+    assert decode_in_modes(model, cache, ids, modes, 14) == expected
+    storage = [layer.storage for layer in cache.layers]
+    buffers = [tensor for stored in storage for tensor in (stored.pool.k, stored.meta.kmin, stored.write_slots)]
+    buffers += [stored.offloaded.host.k for stored in storage if stored.offloaded is not None]
+    assert not any(tensor.requires_grad or tensor.is_inference() for tensor in buffers)
+    assert cache.stats()["promoted_pages"] > 0

@@ -62,6 +62,10 @@ def test_caches_on_the_cuda_paths_are_freed_by_reference_counting() -> None:
     run_interpreted("freeing")
 
 
+def test_the_cuda_paths_work_in_every_grad_mode_in_any_order() -> None:
+    run_interpreted("modes")
+
+
 def tiny_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -483,12 +487,17 @@ class EmulatedGraph:
         # What a real graph bakes in: each layer's recorded work (a replay may follow a step whose host work was done
         # by prepare_replay, which leaves these as the last recording set them).
         self.layer_work = [(layer.graphed.recorded_rerank, layer.graphed.recorded_launch) for layer in flexi.layers]
+        # A real replay runs the recorded kernels whatever grad mode its caller is in: run the forward again in the
+        # recording's mode (torch dispatches some ops differently in another one).
+        self.grad_mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
 
     def replay(self) -> None:
         before = host_state(self.flexi)
         for layer, (rerank, launch) in zip(self.flexi.layers, self.layer_work):
             layer.graphed.recorded_rerank, layer.graphed.recorded_launch = rerank, launch
-        with ExternalReads() as mode, self.flexi.step_graphs.recording():
+        inference, grad = self.grad_mode
+        with (ExternalReads() as mode, self.flexi.step_graphs.recording(), torch.inference_mode(inference),
+              torch.set_grad_enabled(grad)):
             self.recorded.output = self.run_forward()
         if mode.reads != self.reads:
             self.problems.append(next((i, a, b) for i, (a, b) in enumerate(zip(mode.reads, self.reads)) if a != b))
@@ -501,7 +510,8 @@ def emulated_recording(problems: list):
     from flexicache import step_graph
 
     def record(store, key, flexi, tensors, forward):
-        inputs = {name: tensor.clone() for name, tensor in tensors.items()}
+        with torch.inference_mode(False):  # as step_graph._record makes them: replays copy into them in any mode
+            inputs = {name: tensor.clone() for name, tensor in tensors.items()}
         before = host_state(flexi)
         with ExternalReads() as mode, flexi.step_graphs.recording():
             output = forward(inputs)
@@ -540,12 +550,10 @@ def check_step() -> None:
     happen), a crop, a continued generate and a hand-written decode loop, the tokens must equal the torch reference
     path's."""
     from flexicache import FlexiCache, HeadProfile
-    from flexicache.backends import triton_rerank, triton_select, triton_transfer
     from flexicache.evaluation.generation import greedy_generate
 
     torch.cuda.synchronize = lambda *args, **kwargs: None
-    for module in (triton_select, triton_transfer, triton_rerank):
-        ExternalReads.record_launches(module)
+    record_kernel_launches()
     problems: list = []
 
     record = emulated_recording(problems)
@@ -589,24 +597,35 @@ def check_step() -> None:
     assert all(torch.equal(a, b) for a, b in zip(tokens["step graphs"], tokens["reference"]))
 
 
+def flashinfer_on_cpu() -> None:
+    """Let the real :class:`FlashInferBackend` run on CPU tensors in this process: FlashInfer's wrapper is
+    :class:`DecodeWrapperStandIn`, and the CUDA calls around it (synchronisation, page-locking) do nothing."""
+    import types
+
+    sys.modules["flashinfer"] = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=DecodeWrapperStandIn,
+                                                      __version__="0.7.2.post1")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
+
+def record_kernel_launches() -> None:
+    """Make every FlexiCache Triton kernel log its launches to the active :class:`ExternalReads`."""
+    from flexicache.backends import triton_rerank, triton_select, triton_transfer
+
+    for module in (triton_select, triton_transfer, triton_rerank):
+        ExternalReads.record_launches(module)
+
+
 def check_interleave() -> None:
     """Two caches of different lengths share the process's FlashInfer backend (the real ``FlashInferBackend`` over a
     torch stand-in of FlashInfer's wrapper) and alternate whole-step graphed decode steps, with the CUDA-core and
     the tensor-core kernel (both reuse a plan while the page counts stay): each step must plan for its own cache
     before its replay (the other cache re-planned the shared buffers in between), replays must read what they
     recorded, and each cache's tokens must equal its own reference-path run."""
-    import types
-
     from flexicache import FlexiCache, HeadProfile
-    from flexicache.backends import triton_rerank, triton_select, triton_transfer
-    from flexicache.backends.flashinfer import FlashInferBackend
 
-    sys.modules["flashinfer"] = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=DecodeWrapperStandIn,
-                                                      __version__="0.7.2.post1")
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
-    for module in (triton_select, triton_transfer, triton_rerank):
-        ExternalReads.record_launches(module)
+    flashinfer_on_cpu()
+    record_kernel_launches()
     problems: list = []
     profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
     torch.manual_seed(1)
@@ -670,16 +689,12 @@ def check_freeing() -> None:
     replays do nothing (the outputs are check_graph's and check_step's concern). ``close()`` frees a cache's
     storage and recorded steps at once, while it is still referred to."""
     import gc
-    import types
     import weakref
 
     from flexicache import FlexiCache, HeadProfile, decode_graph, disable_step_graphs, enable_step_graphs, step_graph
     from flexicache.backends import ReferenceBackend
 
-    sys.modules["flashinfer"] = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=DecodeWrapperStandIn,
-                                                      __version__="0.7.2.post1")
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    flashinfer_on_cpu()
     torch.cuda.graph_pool_handle = lambda: None
     torch.cuda.current_stream = lambda device=None: StreamStandIn()
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
@@ -726,7 +741,47 @@ def check_freeing() -> None:
         gc.enable()
 
 
+def check_modes() -> None:
+    """The CUDA graph paths on CPU tensors under ``inference_mode``, ``no_grad`` and plain mode, in any order: the
+    FlashInfer backend the process shares (the real one over a torch stand-in of FlashInfer's wrapper) first used
+    under ``inference_mode`` by another cache (as ``warm_up`` uses it), then caches prefilled under one mode and
+    decoded step by step under the others, whole-step graphs (emulated, as in :func:`check_step`) recorded in one
+    mode and replayed in another. Tokens must equal the torch reference path's in inference mode alone."""
+    from flexicache import FlexiCache, HeadProfile
+
+    flashinfer_on_cpu()
+    record_kernel_launches()
+    problems: list = []
+    profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
+    settings = {"profile": profile, "token_budget": 32, "page_size": 4, "rerank_interval": 4}
+    model = tiny_model()
+    prompt = torch.randint(0, 512, (2, 60), generator=torch.Generator().manual_seed(2))
+    modes = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "plain": contextlib.nullcontext}
+
+    def decode(order: list[str], steps: int = 18) -> torch.Tensor:
+        cache = FlexiCache.from_model(model, **settings)
+        with modes[order[0]]():
+            last = model(input_ids=prompt, past_key_values=cache).logits[:, -1].argmax(-1)
+        tokens = []
+        for step in range(steps):
+            tokens.append(last)
+            with modes[order[(step + 1) % len(order)]]():  # a clone: an inference tensor is no plain-mode input
+                last = model(input_ids=last[:, None].clone(), past_key_values=cache).logits[:, -1].argmax(-1)
+        assert cache.stats()["promoted_pages"] > 0
+        return torch.stack(tokens, 1)
+
+    reference = decode(["inference_mode"])
+    shared = FlashInferBackend(torch.device("cpu"))
+    with graph_path_on_cpu(lambda: shared, emulated_recording(problems)):
+        with torch.inference_mode():
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                           past_key_values=FlexiCache.from_model(model, **settings))
+        for order in (["no_grad", "plain", "inference_mode"], ["inference_mode", "plain", "no_grad"]):
+            assert torch.equal(decode(order), reference), order
+    assert not problems, problems[:1]
+
+
 if __name__ == "__main__":
     checks = {"table": check_table, "topk": check_topk, "transfers": check_transfers, "rerank": check_rerank, "graph": check_graph,
-              "step": check_step, "interleave": check_interleave, "freeing": check_freeing}
+              "step": check_step, "interleave": check_interleave, "freeing": check_freeing, "modes": check_modes}
     checks[sys.argv[1]]()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -36,6 +36,17 @@ if TYPE_CHECKING:
     from flexicache.backends.triton_select import TableInputs
 
 Launch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (keys [B, H, D], values, query [R, G, D])
+
+
+class DecodePath(Protocol):
+    """What a layer asks of its decode path (see the module docstring); shapes as in :class:`TorchDecode`."""
+
+    def write_token(self, keys: torch.Tensor, values: torch.Tensor, plan: AppendPlan) -> None: ...
+
+    def rerank_stable(self, query: torch.Tensor, num_tokens: torch.Tensor, width: int) -> None: ...
+
+    def run(self, keys: torch.Tensor, values: torch.Tensor, rows_query: torch.Tensor, plan: AppendPlan,
+            scale: float) -> torch.Tensor: ...
 
 
 def fused_kernels_available(device: torch.device, head_dim: int) -> bool:
@@ -63,7 +74,7 @@ def selection_fits_after_growth(capacity: int, next_pages: int) -> bool:
 
 
 def choose_decode_path(storage: LayerStorage, backend: DecodeBackend, fused: bool,
-                       step_inputs: dict[torch.device, StepInputs]) -> TorchDecode:
+                       step_inputs: dict[torch.device, StepInputs]) -> DecodePath:
     """The decode path of a layer with ``storage`` and ``backend`` (``fused``: :func:`fused_kernels_available` for
     its KV; ``step_inputs``: the cache's per-device step inputs, shared by the graphed paths of its layers)."""
     if not fused:

@@ -5,6 +5,9 @@ path (:mod:`flexicache.decode_paths`), both made at the first ``update``, and or
 committed into the pages after dense attention, and a decode token is appended and attended sparsely. Lengths and
 step counts live in the cache's shared :class:`~flexicache.sequence.SequenceState`; the layer keeps how many chunks
 it stored and its own work counters.
+
+The storage is a buffer, not part of an autograd graph: keys, values and queries that require grad (a forward in
+plain mode) are stored and used detached, so the sparse decode's output carries no gradient, like FlashInfer's.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from flexicache import decode_paths, handoff
 from flexicache.backends import DecodeBackend, layer_backend
 from flexicache.config import FlexiCacheConfig
 from flexicache.decode_graph import StepInputs
-from flexicache.decode_paths import GraphedDecode, TorchDecode
+from flexicache.decode_paths import DecodePath, GraphedDecode
 from flexicache.offload import TransferCounters
 from flexicache.sequence import AppendPlan, SequenceState
 from flexicache.storage import LayerStorage
@@ -59,7 +62,8 @@ class FlexiLayer(CacheLayerMixin):
         self.is_initialized = False
         self.num_chunks = 0  # chunks (prefill chunks and decode steps) stored in this layer's pages
         self.storage: LayerStorage | None = None
-        self.path: TorchDecode | None = None
+        self.backend: DecodeBackend | None = None
+        self.path: DecodePath | None = None
         self.graphed: GraphedDecode | None = None  # the path, when it is the CUDA-graph one
         self.unstable_counters = TransferCounters()
 
@@ -102,10 +106,11 @@ class FlexiLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start = self.get_seq_length()
+        keys, values = _detached(key_states), _detached(value_states)
         if self.recording:  # a whole-step graph capture: begin_graphed_step stored this step already
-            handoff.stage(self, self.layer_idx, key_states, value_states, start - 1)
+            handoff.stage(self, self.layer_idx, keys, values, start - 1)
             return key_states, value_states
-        handoff.stage(self, self.layer_idx, key_states, value_states, start)
+        handoff.stage(self, self.layer_idx, keys, values, start)
         if start == 0 or key_states.shape[2] == 1:
             return key_states, value_states
         past_keys, past_values = self.read_logical()
@@ -146,7 +151,7 @@ class FlexiLayer(CacheLayerMixin):
         if offloaded is not None:
             width = plan.full_page_width
             if width:
-                self.path.rerank_stable(query[:, :, -1], plan.after, width)
+                self.path.rerank_stable(_detached(query[:, :, -1]), plan.after, width)
                 offloaded.counters.reranks += offloaded.num_rows
             # Stagger: layer l reranks at decode steps where (step + l) % interval == 0, so no step pays them all.
             offloaded.steps_since_rerank = self.layer_idx % self.settings.rerank_interval
@@ -173,6 +178,7 @@ class FlexiLayer(CacheLayerMixin):
             ``[B, 1, Hq, D]``.
         """
         batch_size, num_query_heads, _, head_dim = query.shape
+        query = _detached(query)
         rows_query = query.reshape(batch_size * self.num_kv_heads, num_query_heads // self.num_kv_heads, head_dim)
         keys, values = chunk.keys[:, :, 0], chunk.values[:, :, 0]
         if self.recording:
@@ -277,3 +283,8 @@ class FlexiLayer(CacheLayerMixin):
             stats["bytes_h2d"] = int(counters.bytes_h2d)
             stats["bytes_d2h"] = counters.bytes_d2h
         return stats
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` without its autograd history where it has one (the storage never joins an autograd graph)."""
+    return tensor.detach() if tensor.requires_grad else tensor

@@ -57,6 +57,7 @@ class HostTier:
         self.k = self._zeros((batch_size, num_heads, capacity, page_size, head_dim), dtype)
         self.v = self._zeros((batch_size, num_heads, capacity, page_size, head_dim), dtype)
 
+    @torch.inference_mode(False)  # made outside inference mode, like every buffer a cache keeps (flexicache.storage)
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return pinned_zeros(shape, dtype) if self.pin_memory else torch.zeros(shape, dtype=dtype)
 

@@ -187,7 +187,8 @@ class SequenceState:
         if self.num_tokens is None:
             self.num_tokens = torch.zeros(batch_size, dtype=torch.long, device=device)
             self.num_tokens_host = torch.zeros(batch_size, dtype=torch.long)
-            self.valid = torch.zeros(batch_size, max(64, 2 * length), dtype=torch.bool)
+            with torch.inference_mode(False):  # written in place at every chunk, whatever grad mode it runs in
+                self.valid = torch.zeros(batch_size, max(64, 2 * length), dtype=torch.bool)
         if batch_size != self.batch_size:
             raise ValueError(
                 f"FlexiCache holds a batch of {self.batch_size} requests, got {batch_size}: call cache.reset() "
@@ -278,8 +279,9 @@ class SequenceState:
         start, end = self.logical_length, self.logical_length + length
         self.last_chunk_start = start
         if end > self.valid.shape[1]:
-            grown = torch.zeros(self.batch_size, 2 * end, dtype=torch.bool)
-            grown[:, :start] = self.valid[:, :start]
+            with torch.inference_mode(False):
+                grown = torch.zeros(self.batch_size, 2 * end, dtype=torch.bool)
+                grown[:, :start] = self.valid[:, :start]
             self.valid = grown
         self.valid[:, start:end] = True if valid is None else valid
         self.logical_length = end

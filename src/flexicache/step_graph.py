@@ -295,7 +295,8 @@ def _record(store: StepGraphStore, key: tuple, cache: Any, tensors: dict[str, to
             forward: Callable[[dict[str, torch.Tensor]], Any]) -> Any:
     """Run the prepared step once eagerly on the capture stream (the step's work, whose output is returned; it also
     warms that stream up, e.g. cuBLAS), then capture the same forward for the later steps."""
-    inputs = {name: tensor.clone() for name, tensor in tensors.items()}
+    with torch.inference_mode(False):  # each replay copies its step's inputs in, whatever grad mode it runs in
+        inputs = {name: tensor.clone() for name, tensor in tensors.items()}
     device = next(iter(inputs.values())).device
     if store.pool is None:
         store.pool = torch.cuda.graph_pool_handle()

@@ -8,6 +8,11 @@ kernels that read them at decode are the decode paths' (:mod:`flexicache.decode_
 
 Shapes: ``B`` requests, ``H`` KV heads (``hu`` unstable, ``hs`` stable), ``P`` pages, ``ps`` page size, ``D`` head
 dim. Rows (request, head) flatten as ``b * H + h``.
+
+Every buffer a cache keeps across calls (here, in the decode paths' graphs and step inputs, in the step graphs and
+the shared backend) is made outside inference mode: an inference tensor refuses in-place writes outside
+``torch.inference_mode``, and a cache may be filled under ``inference_mode`` and decoded under ``no_grad`` or in plain
+mode (or the other way round). Tensors that require grad are stored detached (``FlexiLayer`` drops their history).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class LayerStorage:
         reserved_pages: device pages per row to reserve up front (``max_cache_len``'s, capped by the decode path).
     """
 
+    @torch.inference_mode(False)  # the buffers are kept across calls (see the module docstring)
     def __init__(self, settings: FlexiCacheConfig, unstable_heads: list[int], num_kv_heads: int, batch_size: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, reserved_pages: int) -> None:
         self.settings = settings
