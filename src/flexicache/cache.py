@@ -103,7 +103,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         """Free every buffer now (device pages, host tier, graphs); a closed cache refuses any later use. A cache
         nobody refers to is freed without this, when its last reference goes."""
         self.reset()
-        for layer in self.layers:
+        for layer in self._flexi_layers():
             layer.close()
         self.backends.clear()
         self.closed = True
@@ -114,9 +114,13 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _flexi_layers(self) -> list[FlexiLayer]:
+        """The cache's sparse paged layers (the others, if a model mixes layer types, keep their own semantics)."""
+        return [layer for layer in self.layers if isinstance(layer, FlexiLayer)]
+
     def _wait_for_zero_copy_kernels(self) -> None:
         """Queued zero-copy kernels may still use the pinned host tier about to be freed: wait for them."""
-        for layer in self.layers:
+        for layer in self._flexi_layers():
             if layer.is_initialized and layer.storage.offloaded is not None and layer.storage.offloaded.zero_copy:
                 torch.cuda.synchronize(layer.device)
 
@@ -187,11 +191,12 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         if self.closed:
             raise RuntimeError(CLOSED_MESSAGE)
         totals: dict[str, Any] = {}
-        for layer in self.layers:
+        layers = self._flexi_layers()
+        for layer in layers:
             for name, value in layer.stats().items():
                 totals[name] = totals.get(name, 0) + value
         totals["decode_steps"] = self.sequence.decode_steps
-        backends = sorted({layer.backend.name for layer in self.layers if layer.is_initialized})
+        backends = sorted({layer.backend.name for layer in layers if layer.is_initialized})
         totals["backend"] = ",".join(backends) if backends else None  # e.g. "flashinfer,reference" on GPU + CPU
         totals["step_graph_captures"] = self.step_graphs.captures
         totals["step_graph_replays"] = self.step_graphs.replays
