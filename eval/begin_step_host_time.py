@@ -1,12 +1,12 @@
-"""Host time of a whole-step graph's bookkeeping (``FlexiCache.begin_graphed_step``) on the CPU, no GPU needed.
+"""Host time of a whole-step graph's bookkeeping (``cache.step_graphs.begin()``) on the CPU, no GPU needed.
 
 With whole-step CUDA graphs the GPU waits for this bookkeeping at every decode step, so it bounds how far a step can
 shrink. This script builds a 32-layer model with tiny dimensions (the bookkeeping depends on the layer count, not on
 the sizes), puts its cache on the graph path with the CUDA-only parts replaced (the Triton launches by no-ops,
 FlashInfer by the torch stand-in of tests/test_triton_interpreted.py, whose ``prepare`` copies more than
-FlashInfer's does when the plan is reused), and times ``graphed_step_ready()`` + ``begin_graphed_step()`` over 64
-steps, then the split a replayed step takes after another one: ``graphed_step_ready()`` + ``prepare_replay()``
-(before the replay) and ``finish_replay()`` + ``prepare_next_step()`` (after it, while the GPU works).
+FlashInfer's does when the plan is reused), and times ``step_graphs.ready()`` + ``step_graphs.begin()`` over 64
+steps, then the split a replayed step takes after another one: ``ready()`` + ``prepare_replay()`` (before the replay)
+and ``finish_replay()`` + ``prepare_next_step()`` (after it, while the GPU works).
 
 Usage: ``PYTHONPATH=src python eval/begin_step_host_time.py [--layers 32] [--batch 8] [--profile]``
 """
@@ -26,7 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_triton_interpreted import FlashInferStandIn  # noqa: E402
 
-from flexicache import FlexiCache, HeadProfile, cache, decode_graph  # noqa: E402
+from flexicache import FlexiCache, HeadProfile, backends, decode_graph, decode_paths, offload  # noqa: E402
 from flexicache.backends import triton_rerank, triton_select, triton_transfer  # noqa: E402
 
 
@@ -39,18 +39,9 @@ def graph_path_on_cpu() -> None:
         setattr(module, name, lambda *args, **kwargs: None)
     triton_rerank.rerank_rows = lambda *args, **kwargs: torch.zeros(1, dtype=torch.long)
     triton_select.stable_page_scores = lambda query, *args: torch.zeros(query.shape[0], args[4])  # [rows, width]
-    initialize = cache.FlexiLayer.lazy_initialization
-
-    def lazy_initialization(self, keys, values):
-        initialize(self, keys, values)
-        self.fused_table = True
-        if self.offloaded is not None:
-            self.offloaded.zero_copy = True
-            self.offloaded.counters.promoted_pages = torch.zeros((), dtype=torch.long)
-            self.offloaded.counters.bytes_h2d = torch.zeros((), dtype=torch.long)
-
-    cache.FlexiLayer.lazy_initialization = lazy_initialization
-    cache.resolve_backend = lambda name, device, dtype, head_dim: FlashInferStandIn([])
+    decode_paths.fused_kernels_available = lambda device, head_dim: True
+    offload.zero_copy_available = lambda device: True
+    backends.resolve_backend = lambda name, device, dtype, head_dim: FlashInferStandIn([])
     decode_graph.DecodeGraph.run = lambda self, launch, storage_key: (launch(), self.output)[1]
 
 
@@ -72,9 +63,11 @@ def main() -> None:
         model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=flexi, max_new_tokens=2,
                        do_sample=False)
 
+        store = flexi.step_graphs
+
         def step() -> None:
-            flexi.graphed_step_ready()
-            flexi.begin_graphed_step()
+            store.ready()
+            store.begin()
 
         times = []
         for _ in range(64):
@@ -86,18 +79,18 @@ def main() -> None:
               f"{1e3 * times[57]:.3f} ms, {1e6 * times[32] / args.layers:.1f} us per layer (p50)")
         # A step that replays a recorded graph after another one: prepare_replay before the replay (the GPU waits
         # for it), finish_replay and prepare_next_step after it (overlapping the replay on a GPU).
-        _, storage = zip(*flexi.begin_graphed_step())
+        _, storage = zip(*store.begin())
         before_replay, after_replay = [], []
         for _ in range(64):
             start = time.perf_counter()
-            flexi.graphed_step_ready()
-            prepared = flexi.prepare_replay(storage)
+            store.ready()
+            prepared = store.prepare_replay(storage)
             middle = time.perf_counter()
             if prepared is None:  # a reservation reallocated: the full path, as run_graphed_step takes it
-                _, storage = zip(*flexi.begin_graphed_step())
+                _, storage = zip(*store.begin())
             else:
-                flexi.finish_replay(prepared[1])
-            flexi.prepare_next_step()
+                store.finish_replay(prepared[1])
+            store.prepare_next_step()
             before_replay.append(middle - start)
             after_replay.append(time.perf_counter() - middle)
         for name, times in (("prepare_replay", before_replay), ("finish_replay + prepare_next_step", after_replay)):

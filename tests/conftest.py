@@ -319,13 +319,7 @@ def checked(cache: FlexiCache) -> FlexiCache:
 
 def page_bounds(layer, head: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(kmin, kmax)`` ``[B, P, D]`` the layer stores for KV head ``head``."""
-    if hasattr(layer, "meta"):  # one metadata tensor for every head of the layer
-        return layer.meta.kmin[:, head], layer.meta.kmax[:, head]
-    if head in layer.unstable_heads:  # one per head class
-        index = layer.unstable_heads.index(head)
-        return layer.resident_meta.kmin[:, index], layer.resident_meta.kmax[:, index]
-    index = layer.stable_heads.index(head)
-    return layer.stable_meta.kmin[:, index], layer.stable_meta.kmax[:, index]
+    return layer.storage.meta.kmin[:, head], layer.storage.meta.kmax[:, head]
 
 
 def check_layer_state(driver: Driver, cache: FlexiCache, settled: bool = True) -> None:
@@ -353,9 +347,9 @@ def check_layer_state(driver: Driver, cache: FlexiCache, settled: bool = True) -
                 stored_min, stored_max = page_bounds(layer, head)
                 assert torch.equal(stored_min[b, :num_pages], kmin), (layer_idx, b, head)
                 assert torch.equal(stored_max[b, :num_pages], kmax), (layer_idx, b, head)
-            if layer.offloaded is None:
+            if layer.storage.offloaded is None:
                 continue
-            off = layer.offloaded
+            off = layer.storage.offloaded
             for local, head in enumerate(layer.stable_heads):
                 row = b * len(layer.stable_heads) + local
                 chosen = [p for p in off.selected[row].tolist() if p >= 0]
@@ -367,9 +361,9 @@ def check_layer_state(driver: Driver, cache: FlexiCache, settled: bool = True) -
                         continue
                     span = slice(page * page_size, (page + 1) * page_size)
                     slot_index = off.base + row * k + slot
-                    assert torch.equal(layer.pool.k[slot_index], real_keys[head, span]), (layer_idx, b, page)
-                    assert torch.equal(layer.pool.v[slot_index], real_values[head, span]), (layer_idx, b, page)
-                tail = layer.pool.k[off.base + row * k + k - 1]
+                    assert torch.equal(off.pool.k[slot_index], real_keys[head, span]), (layer_idx, b, page)
+                    assert torch.equal(off.pool.v[slot_index], real_values[head, span]), (layer_idx, b, page)
+                tail = off.pool.k[off.base + row * k + k - 1]
                 last_len = n - (num_pages - 1) * page_size
                 assert torch.equal(tail[:last_len], real_keys[head, (num_pages - 1) * page_size:]), "tail slot"
                 # the host tier holds every full page exactly
@@ -405,7 +399,7 @@ def expected_decode(driver: Driver, cache: FlexiCache, layer_idx: int, reranked:
                 pages = reference_topk(scores, num_pages, k, force_last=True)
             else:
                 row = b * len(layer.stable_heads) + layer.stable_heads.index(head)
-                selected = sorted(p for p in layer.offloaded.selected[row].tolist() if p >= 0)
+                selected = sorted(p for p in layer.storage.offloaded.selected[row].tolist() if p >= 0)
                 if reranked:
                     assert selected == reference_topk(scores[:full_pages], full_pages, k - 1, force_last=False), (
                         f"layer {layer_idx} request {b} stable head {head}: rerank is not the Quest top-K")

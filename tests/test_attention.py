@@ -36,17 +36,18 @@ def test_sparse_decode_equals_dense_over_selected_pages(page_size, budget, group
     driver.prefill(lengths)
     since = [layer_idx % interval for layer_idx in range(3)]  # reranks are staggered by layer
     for step in range(3 * interval + 9):
-        reranks_before = [layer.offloaded.counters.reranks if layer.offloaded else 0 for layer in cache.layers]
+        stable = [layer.storage.offloaded for layer in cache.layers]
+        reranks_before = [offloaded.counters.reranks if offloaded else 0 for offloaded in stable]
         driver.decode()
         for layer_idx, layer in enumerate(cache.layers):
             since[layer_idx] += 1
             due = since[layer_idx] >= interval
             if due:
                 since[layer_idx] = 0
-            if layer.offloaded is not None:
+            if layer.storage.offloaded is not None:
                 longest_full = max((int(driver.attention_mask[b].sum()) - 1) // page_size for b in range(len(lengths)))
                 rows = len(lengths) * len(layer.stable_heads)
-                delta = layer.offloaded.counters.reranks - reranks_before[layer_idx]
+                delta = layer.storage.offloaded.counters.reranks - reranks_before[layer_idx]
                 assert delta == (rows if due and longest_full > 0 else 0), f"step {step}: rerank schedule"
             expected = expected_decode(driver, cache, layer_idx, reranked=due)
             torch.testing.assert_close(driver.outputs[layer_idx].double(), expected, rtol=0, atol=1e-12)

@@ -100,7 +100,7 @@ def test_half_precision_runs_and_stores_in_model_dtype(dtype):
     out, logits = greedy(model, ids, cache, None, 10, logits=True)
     assert out.shape == (1, 70) and all(bool(torch.isfinite(step).all()) for step in logits)
     keys, _ = cache.layers[1].read_logical()
-    assert keys.dtype == dtype and cache.layers[1].pool.k.dtype == dtype
+    assert keys.dtype == dtype and cache.layers[1].storage.pool.k.dtype == dtype
 
 
 def test_chunked_prefill_matches_one_prefill():

@@ -143,7 +143,7 @@ def test_page_locked_read_back_equals_the_plain_one():
     greedy(model, ids, cache, mask, 6)
     num_tokens = cache.sequence.num_tokens_host
     for layer in cache.layers:
-        offloaded = layer.offloaded
+        offloaded = layer.storage.offloaded
         if offloaded is None:
             continue
         host_before = (offloaded.host.k.clone(), offloaded.host.v.clone())
@@ -229,12 +229,12 @@ def test_random_operation_sequences_keep_state_and_sparse_outputs_exact(case):
 def cache_buffers(cache: FlexiCache) -> list[tuple[int, tuple[int, ...]]]:
     """(address, shape) of every buffer a growth would replace: pools, page tables, metadata, host tiers."""
     tensors = []
-    for layer in cache.layers:
-        tensors += [layer.pool.k, layer.pool.v, layer.meta.kmin, layer.meta.kmax]
-        if layer.resident is not None:
-            tensors.append(layer.resident.table)
-        if layer.offloaded is not None:
-            tensors += [layer.offloaded.host.k, layer.offloaded.host.v]
+    for storage in (layer.storage for layer in cache.layers):
+        tensors += [storage.pool.k, storage.pool.v, storage.meta.kmin, storage.meta.kmax]
+        if storage.resident is not None:
+            tensors.append(storage.resident.table)
+        if storage.offloaded is not None:
+            tensors += [storage.offloaded.host.k, storage.offloaded.host.v]
     return [(tensor.data_ptr(), tuple(tensor.shape)) for tensor in tensors]
 
 
@@ -242,11 +242,11 @@ def assert_reserved(cache: FlexiCache, batch: int, pages: int) -> None:
     """Every layer holds exactly ``pages`` pages per row in its min/max, page table and host tier, and pool slots
     for every page of its unstable heads plus the stable heads' K."""
     for layer in cache.layers:
-        unstable, stable = len(layer.unstable_heads), len(layer.stable_heads)
-        assert layer.pool.k.shape[0] == batch * (unstable * pages + stable * cache.settings.pages_per_head)
-        assert layer.meta.kmin.shape[2] == pages
-        assert layer.resident is None or layer.resident.table.shape[2] == pages
-        assert layer.offloaded is None or layer.offloaded.host.k.shape[2] == pages
+        unstable, stable, storage = len(layer.unstable_heads), len(layer.stable_heads), layer.storage
+        assert storage.pool.k.shape[0] == batch * (unstable * pages + stable * cache.settings.pages_per_head)
+        assert storage.meta.kmin.shape[2] == pages
+        assert storage.resident is None or storage.resident.table.shape[2] == pages
+        assert storage.offloaded is None or storage.offloaded.host.k.shape[2] == pages
 
 
 def test_max_cache_len_sizes_every_buffer_up_front():

@@ -34,7 +34,7 @@ def test_page_promoted_at_next_rerank_and_not_before():
     query = torch.zeros(1, 1, 42, D, dtype=torch.float64)
     query[0, 0, -1] = E2
     driver.prefill([42], q=[query], k=[keys], v=[values])
-    off = layer.offloaded
+    off = layer.storage.offloaded
     assert sorted(p for p in off.selected[0].tolist() if p >= 0) == [0, 1, 3]
     page_bytes = 2 * PS * D * 8
     promoted, h2d = off.counters.promoted_pages, off.counters.bytes_h2d
@@ -57,8 +57,8 @@ def test_page_promoted_at_next_rerank_and_not_before():
     assert off.counters.promoted_pages == promoted + 1, "only page 2 is new; 0 and 3 stay"
     assert off.counters.bytes_h2d == h2d + page_bytes
     slot = off.selected[0].tolist().index(2)
-    assert torch.equal(layer.pool.k[off.base + slot], keys[0, 0, 2 * PS:3 * PS])
-    assert torch.equal(layer.pool.v[off.base + slot], values[0, 0, 2 * PS:3 * PS])
+    assert torch.equal(layer.storage.pool.k[off.base + slot], keys[0, 0, 2 * PS:3 * PS])
+    assert torch.equal(layer.storage.pool.v[off.base + slot], values[0, 0, 2 * PS:3 * PS])
     # the output now attends to page 2
     all_keys, all_values = driver.real_kv(0, 0)
     tokens = torch.cat([torch.arange(p * PS, (p + 1) * PS) for p in (0, 2, 3)] + [torch.arange(40, 46)])
@@ -94,7 +94,7 @@ def test_rerank_copies_only_pages_not_already_on_the_device():
                                rerank_interval=3))
     driver = Driver(config, cache, seed=4)
     driver.prefill([50, 23])
-    off = cache.layers[0].offloaded
+    off = cache.layers[0].storage.offloaded
     page_bytes = 2 * PS * D * 8
     on_device_at_rerank = []
     rerank = off.rerank

@@ -58,10 +58,10 @@ def test_byte_accounting_matches_design_formula(dtype, lengths, budget, page_siz
     assert stats["dense_kv_bytes"] == dynamic_cache_bytes(reference)
     # the tensors really are that size
     page_bytes = 2 * page_size * config.head_dim * element
-    pool_used = sum(layer.pool.used for layer in cache.layers) * page_bytes
+    pool_used = sum(layer.storage.pool.used for layer in cache.layers) * page_bytes
     assert pool_used == device
     assert stats["device_reserved_bytes"] >= device + stats["device_metadata_bytes"]
-    assert stats["device_reserved_bytes"] == sum(layer.pool.nbytes_reserved + layer.meta.nbytes
+    assert stats["device_reserved_bytes"] == sum(layer.storage.pool.nbytes_reserved + layer.storage.meta.nbytes
                                                  for layer in cache.layers)
     used_pages = sum(cdiv(n, page_size) for n in real_tokens)  # min and max of every page in use, every head
     assert stats["device_metadata_bytes"] == 2 * used_pages * config.num_key_value_heads * \

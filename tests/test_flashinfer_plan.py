@@ -4,6 +4,7 @@ steps that skip the plan)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from types import SimpleNamespace
 
@@ -15,15 +16,18 @@ from flexicache.backends.flashinfer import FlashInferBackend
 
 
 class RecordingWrapper:
-    """Records ``plan`` calls; like FlashInfer's CUDA-graph mode, a plan copies ``last_page_len`` into the buffer."""
+    """Records ``plan`` calls; like FlashInfer's CUDA-graph mode, a plan copies ``last_page_len`` into the buffer,
+    and into a buffer of the wrapper's own (FlashInfer's stages its schedule in one)."""
 
     def __init__(self, workspace, kv_layout, use_cuda_graph, use_tensor_cores, paged_kv_indptr_buffer,
                  paged_kv_indices_buffer, paged_kv_last_page_len_buffer, backend) -> None:
         self.last_page_len = paged_kv_last_page_len_buffer
+        self.staged = torch.zeros_like(paged_kv_last_page_len_buffer)
         self.plans: list[torch.Tensor] = []
 
     def plan(self, indptr, indices, last_page_len, *args, **kwargs) -> None:
         self.plans.append(indptr.clone())
+        self.staged.copy_(last_page_len)
         self.last_page_len.copy_(last_page_len)
 
 
@@ -73,3 +77,18 @@ def test_unverified_flashinfer_releases_plan_every_step(monkeypatch: pytest.Monk
         again, layout = prepare(backend, tokens)
         assert torch.equal(again.last_page_len, layout.row_last_page_len_host)
     assert len(planned.wrapper.plans) == 3
+
+
+def test_a_backend_made_in_inference_mode_plans_in_every_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend is shared by every cache of the process: one made under ``torch.inference_mode`` (as warm_up
+    makes it) must plan, re-plan and refresh its buffers under ``no_grad``, plain mode and inference mode again,
+    in any order (an inference tensor refuses in-place writes outside inference mode)."""
+    with torch.inference_mode():
+        backend = stand_in_backend(monkeypatch, "0.7.2.post1")
+        planned, _ = prepare(backend, [100, 70])
+    for step, mode in enumerate((torch.no_grad, contextlib.nullcontext, torch.inference_mode, torch.no_grad)):
+        with mode():
+            again, layout = prepare(backend, [101 + step, 71])  # the same page counts: a refresh in place
+            assert again is planned and torch.equal(planned.last_page_len, layout.row_last_page_len_host)
+            prepare(backend, [20 + 16 * step, 70])  # other page counts: plan() writes the buffers
+    assert len(planned.wrapper.plans) == 5

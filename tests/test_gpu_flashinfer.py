@@ -5,6 +5,8 @@ Skipped without CUDA + FlashInfer; run on the GPU host (see BENCHMARKS.md for th
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -23,6 +25,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 
 from flexicache import FlexiCache, HeadProfile, disable_step_graphs  # noqa: E402
 from flexicache.backends import ReferenceBackend, build_decode_layout  # noqa: E402
+from flexicache.decode_paths import FusedDecode, TorchDecode  # noqa: E402
 
 
 def relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
@@ -152,7 +155,7 @@ def test_host_tier_round_trip_is_bit_exact() -> None:
     with torch.inference_mode():
         model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, do_sample=False)
         model.generate(ids, attention_mask=mask, past_key_values=dense, max_new_tokens=40, do_sample=False)
-    assert cache.layers[0].offloaded.host.k.is_pinned()
+    assert cache.layers[0].storage.offloaded.host.k.is_pinned()
     real = cache.sequence.logical_valid()[:, : ids.shape[1]].to("cuda")
     for flexi_layer, dense_layer in zip(cache.layers, dense.layers):
         keys, values = flexi_layer.read_logical()
@@ -188,10 +191,12 @@ def test_fused_decode_table_matches_torch_table() -> None:
             object.__setattr__(cache.settings, "group_reduce", reduce)
             query = torch.randn(3, model.config.num_attention_heads, 1, model.config.head_dim, device="cuda",
                                 dtype=torch.bfloat16)
+            plan = cache.sequence.last_plan
             for layer in cache.layers:
                 rows_query = query.reshape(3 * 2, -1, model.config.head_dim)
-                expected = layer._decode_table(rows_query, layer.plan)
-                assert listed_pages(layer._fused_table(rows_query, layer.plan)) == listed_pages(expected)
+                assert isinstance(layer.path, FusedDecode)  # the reference backend on CUDA: fused kernels, eagerly
+                expected = TorchDecode(layer.storage, layer.backend).table(rows_query, plan)
+                assert listed_pages(layer.path.table(rows_query, plan)) == listed_pages(expected)
 
 
 def test_cuda_graph_decode_matches_eager_launches() -> None:
@@ -213,8 +218,8 @@ def test_cuda_graph_decode_matches_eager_launches() -> None:
         results[graphs], caches[graphs] = torch.stack(logits), cache
     assert torch.equal(results[True], results[False])
     graphed = caches[True]
-    assert all(layer.graph is not None for layer in graphed.layers)
-    captures = [layer.graph.captures for layer in graphed.layers]
+    assert all(layer.graphed.graph is not None for layer in graphed.layers)
+    captures = [layer.graphed.graph.captures for layer in graphed.layers]
     assert all(1 <= count <= 10 for count in captures), captures  # replayed; re-captured on growth only
     assert graphed.stats()["promoted_pages"] == caches[False].stats()["promoted_pages"] > 0
 
@@ -233,7 +238,8 @@ def test_zero_copy_transfers_match_torch_indexing(monkeypatch: pytest.MonkeyPatc
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True)
-        assert all(layer.offloaded.zero_copy is zero_copy for layer in cache.layers if layer.offloaded is not None)
+        stable = [layer.storage.offloaded for layer in cache.layers if layer.storage.offloaded is not None]
+        assert all(offloaded.zero_copy is zero_copy for offloaded in stable)
         results[zero_copy] = transfer_outcome(cache, out.logits)
     assert_same_transfer_outcome(results[True], results[False])
 
@@ -478,3 +484,183 @@ def test_pinned_zeros_is_page_locked_exact_and_unregistered_when_freed(monkeypat
     assert unregistered == []  # a view still uses it
     del view
     assert unregistered == [address]
+
+
+# ------------------------------------------------------------------------------------ freeing and grad modes
+
+
+@pytest.fixture
+def registered_host_bytes(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
+    """``{address: bytes}`` of the page-locked host memory (the host tiers) registered with CUDA and not yet
+    unregistered, from now on."""
+    from flexicache import host_memory
+
+    live: dict[int, int] = {}
+    register, release = host_memory._RegisteredMapping.register, host_memory._RegisteredMapping.__del__
+
+    def recorded_register(self) -> None:
+        register(self)
+        live[self.address] = len(self)
+
+    def recorded_release(self) -> None:
+        live.pop(self.address, None)
+        release(self)
+
+    monkeypatch.setattr(host_memory._RegisteredMapping, "register", recorded_register)
+    monkeypatch.setattr(host_memory._RegisteredMapping, "__del__", recorded_release)
+    return live
+
+
+def generate_and_drop(model, make_cache, ids: torch.Tensor, new_tokens: int = 40) -> dict:
+    """Generate with ``make_cache()`` (the cycle collector must be off), drop everything, and check the cache is gone
+    by reference counting: returns its stats."""
+    import weakref
+
+    cache = make_cache()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False)
+    stats, ref = cache.stats(), weakref.ref(cache)
+    del cache
+    assert ref() is None, "the cache outlived its last reference (a reference cycle)"
+    torch.cuda.synchronize()
+    return stats
+
+
+FREEING_PATHS = {"whole-step graphs": (True, True), "layer graphs": (True, False), "eager": (False, False)}
+
+
+def path_cache(model, path: str, **settings) -> FlexiCache:
+    """A ``from_model`` cache on the CUDA path ``path`` of :data:`FREEING_PATHS` (cuda_graphs, whole-step graphs)."""
+    cuda_graphs, step_graphs = FREEING_PATHS[path]
+    cache = FlexiCache.from_model(model, backend="flashinfer", cuda_graphs=cuda_graphs, **settings)
+    if not step_graphs:
+        disable_step_graphs(model)
+    return cache
+
+
+@pytest.mark.parametrize("path", list(FREEING_PATHS))
+def test_a_dropped_cache_gives_its_host_tier_and_device_memory_back(path: str, registered_host_bytes) -> None:
+    """With the cycle collector off, a cache nobody refers to is freed at once, on every CUDA path: its pinned host
+    tier unregistered, the device memory of its pages, metadata and graphs back with the allocator."""
+    import gc
+
+    model = tiny_model(4)
+    profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim, unstable_heads=[(0, 0), (2, 1)])
+    ids = torch.randint(0, 512, (8, 3000), device="cuda")
+    gc.collect()
+    gc.disable()
+    try:
+        generate_and_drop(model, lambda: path_cache(model, path, profile=profile, token_budget=128), ids)  # warm-up
+        baseline = torch.cuda.memory_allocated()
+        assert registered_host_bytes == {}
+        stats = generate_and_drop(model, lambda: path_cache(model, path, profile=profile, token_budget=128), ids)
+        assert registered_host_bytes == {}, "a dropped cache's host tier is still page-locked"
+        assert abs(torch.cuda.memory_allocated() - baseline) <= 2**20, (torch.cuda.memory_allocated(), baseline)
+    finally:
+        gc.enable()
+    assert stats["host_reserved_bytes"] > 2**24 and stats["device_reserved_bytes"] > 2**24  # a footprint to miss
+    assert stats["promoted_pages"] > 0 and (stats["step_graph_replays"] > 0) == (path == "whole-step graphs")
+
+
+def test_sequential_requests_with_fresh_caches_do_not_grow_memory(registered_host_bytes) -> None:
+    """The loop that ran out of memory on the H200 (a fresh ``from_model`` cache per request, the cache dropped after
+    its generate, no garbage collection): device memory and page-locked host memory stay flat, round after round."""
+    import gc
+
+    model = tiny_model(4)
+    ids = torch.randint(0, 512, (8, 3000), device="cuda")
+    allocated = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(5):
+            generate_and_drop(model, lambda: FlexiCache.from_model(model, token_budget=128), ids)
+            assert registered_host_bytes == {}, "a dropped cache's host tier is still page-locked"
+            allocated.append(torch.cuda.memory_allocated())
+    finally:
+        gc.enable()
+    assert max(allocated[1:]) - min(allocated[1:]) <= 2**20, allocated  # the first round warms the backend up
+
+
+def test_close_frees_a_graphed_cache_at_once(registered_host_bytes) -> None:
+    """``close()`` (the end of a ``with`` block) unregisters the host tier and frees the device buffers and graphs
+    while the cache object is still referred to; using it again raises."""
+    model = tiny_model(4)
+    ids = torch.randint(0, 512, (4, 2000), device="cuda")
+    with FlexiCache.from_model(model, token_budget=128) as cache:
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=30,
+                           do_sample=False)
+        stats = cache.stats()
+        assert stats["step_graph_replays"] > 0 and registered_host_bytes
+        torch.cuda.synchronize()
+        during = torch.cuda.memory_allocated()
+    torch.cuda.synchronize()
+    assert registered_host_bytes == {}
+    assert torch.cuda.memory_allocated() <= during - stats["device_reserved_bytes"]  # pools and metadata at least
+    with pytest.raises(RuntimeError, match="closed"), torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_cache_over_several_gpus_is_freed_by_reference_counting(registered_host_bytes) -> None:
+    """Layers split over two GPUs (accelerate's dispatch): a dropped cache's memory comes back on each of them."""
+    import gc
+
+    import accelerate
+
+    model = tiny_model(4)
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 1, "lm_head": 1}
+    device_map.update({f"model.layers.{index}": index // 2 for index in range(4)})
+    model = accelerate.dispatch_model(model, device_map, skip_keys=model._skip_keys_device_placement)
+    ids = torch.randint(0, 512, (8, 3000), device="cuda:0")
+    gc.collect()
+    gc.disable()
+    try:
+        generate_and_drop(model, lambda: FlexiCache.from_model(model, token_budget=128), ids)
+        baseline = [torch.cuda.memory_allocated(device) for device in (0, 1)]
+        stats = generate_and_drop(model, lambda: FlexiCache.from_model(model, token_budget=128), ids)
+        for device in (0, 1):
+            torch.cuda.synchronize(device)
+        after = [torch.cuda.memory_allocated(device) for device in (0, 1)]
+        assert registered_host_bytes == {}
+        assert all(abs(now - before) <= 2**20 for now, before in zip(after, baseline)), (after, baseline)
+    finally:
+        gc.enable()
+    assert stats["promoted_pages"] > 0 and stats["step_graph_replays"] == 0  # two devices: layer by layer
+
+
+GRAD_MODES = {"no_grad": torch.no_grad, "plain": contextlib.nullcontext, "inference_mode": torch.inference_mode}
+
+
+def test_warm_up_then_generate_in_every_grad_mode() -> None:
+    """``warm_up`` runs under ``inference_mode``; the FlashInfer backend, capture streams and kernels it leaves
+    behind serve later generations under ``no_grad``, plain mode and ``inference_mode`` again, with a
+    ``from_model`` cache (whole-step graphs) and a plain one (layer by layer), in that order and back, all with the
+    same tokens. A cache prefilled under ``inference_mode`` then goes on generating under ``no_grad``."""
+    from flexicache import warm_up
+
+    model = tiny_model(4)
+    profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim, unstable_heads=[(1, 0), (3, 1)])
+    batch, context = 3, 700
+    warm_up(model, context, batch, profile=profile, token_budget=128)
+    ids = torch.randint(0, 512, (batch, context), device="cuda")
+    sequences = []
+    for mode in ("no_grad", "plain", "inference_mode", "plain"):
+        for make in (lambda: FlexiCache.from_model(model, profile=profile, token_budget=128),
+                     lambda: FlexiCache(model.config, profile=profile, token_budget=128)):
+            cache = make()
+            with GRAD_MODES[mode]():
+                sequences.append(model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                                max_new_tokens=40, min_new_tokens=40, do_sample=False))
+            assert cache.stats()["promoted_pages"] > 0, mode
+    assert all(torch.equal(sequence, sequences[0]) for sequence in sequences[1:])
+    cache = FlexiCache.from_model(model, profile=profile, token_budget=128)
+    with torch.inference_mode():
+        model(ids[:, :-1], past_key_values=cache)
+    with torch.no_grad():  # the last prompt token and the new ones: decode steps on the prefilled cache
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=20,
+                       min_new_tokens=20, do_sample=False)
+    stats = cache.stats()
+    assert stats["decode_steps"] >= 19 and stats["step_graph_replays"] > 0 and stats["promoted_pages"] > 0

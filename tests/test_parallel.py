@@ -219,13 +219,14 @@ def assert_storage_on_layer_devices(model, cache: FlexiCache) -> None:
     CPU."""
     for decoder_layer, layer in zip(model.model.layers, cache.layers):
         assert layer.device == execution_device(decoder_layer), layer.layer_idx
-        tensors = [layer.pool.k, layer.pool.v, layer.meta.kmin, layer.meta.kmax, layer.write_slots,
-                   layer.unstable_index, layer.stable_index]
-        if layer.resident is not None:
-            tensors.append(layer.resident.table)
-        if layer.offloaded is not None:
-            tensors += [layer.offloaded.selected, layer.offloaded.selected_scores]
-            assert layer.offloaded.host.k.device.type == "cpu"
+        storage = layer.storage
+        tensors = [storage.pool.k, storage.pool.v, storage.meta.kmin, storage.meta.kmax, storage.write_slots,
+                   storage.unstable_index, storage.stable_index]
+        if storage.resident is not None:
+            tensors.append(storage.resident.table)
+        if storage.offloaded is not None:
+            tensors += [storage.offloaded.selected, storage.offloaded.selected_scores]
+            assert storage.offloaded.host.k.device.type == "cpu"
         assert {tensor.device for tensor in tensors} == {layer.device}, layer.layer_idx
         assert layer.backend is cache.backends[layer.device]
     devices = {str(layer.device) for layer in cache.layers}

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from flexicache import FlexiCache, disable_step_graphs, enable_step_graphs
-from flexicache.step_graph import StepGraphs
+from flexicache.step_graph import StepGraphs, StepGraphStore
 
 
 def tiny_model() -> LlamaForCausalLM:
@@ -75,7 +75,7 @@ def test_a_step_of_another_batch_size_runs_eagerly_and_is_refused(monkeypatch: p
     cache = FlexiCache.from_model(model, token_budget=32)
     with torch.inference_mode():
         model(input_ids=torch.randint(0, 256, (2, 40)), past_key_values=cache)
-    monkeypatch.setattr(FlexiCache, "graphed_step_ready", lambda self: True)  # as if on the GPU path
+    monkeypatch.setattr(StepGraphStore, "ready", lambda self: True)  # as if on the GPU path
     monkeypatch.setattr(step_graph, "run_graphed_step", lambda *args: pytest.fail("a graph ran the step"))
     with torch.inference_mode(), pytest.raises(ValueError, match="holds a batch of 2 requests, got 3"):
         model(input_ids=torch.randint(0, 256, (3, 1)), past_key_values=cache)

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
+from flexicache.backends.flashinfer import FlashInferBackend  # noqa: E402
 from flexicache.backends.triton_select import _order_key, _top_keys  # noqa: E402
 
 
@@ -55,6 +56,14 @@ def test_whole_step_graphs_replay_what_they_recorded() -> None:
 
 def test_caches_sharing_the_flashinfer_backend_interleave_graphed_steps() -> None:
     run_interpreted("interleave")
+
+
+def test_caches_on_the_cuda_paths_are_freed_by_reference_counting() -> None:
+    run_interpreted("freeing")
+
+
+def test_the_cuda_paths_work_in_every_grad_mode_in_any_order() -> None:
+    run_interpreted("modes")
 
 
 def tiny_model():
@@ -99,6 +108,7 @@ def check_table() -> None:
     """Every row lists the same pages (slot, length, order) as the torch table: unstable rows over and under the
     budget, stable rows, max and sum over the GQA group, random and all-zero queries (ties everywhere)."""
     from flexicache import FlexiCache, HeadProfile
+    from flexicache.decode_paths import FusedDecode, TorchDecode
 
     model = tiny_model()
     for unstable in ([(0, 0), (1, 1)], [(0, 0), (0, 1)], []):
@@ -111,9 +121,11 @@ def check_table() -> None:
                 object.__setattr__(cache.settings, "group_reduce", reduce)
                 for query in (torch.randn(3, 8, 1, 32), torch.zeros(3, 8, 1, 32)):
                     rows_query = query.reshape(3 * 2, -1, 32)
+                    plan = cache.sequence.last_plan
                     for layer in cache.layers:
-                        expected = listed_pages(layer._decode_table(rows_query, layer.plan))
-                        assert listed_pages(layer._fused_table(rows_query, layer.plan)) == expected, (unstable, reduce)
+                        expected = listed_pages(TorchDecode(layer.storage, layer.backend).table(rows_query, plan))
+                        fused = FusedDecode(layer.storage, layer.backend).table(rows_query, plan)
+                        assert listed_pages(fused) == expected, (unstable, reduce)
 
 
 @triton.jit
@@ -179,7 +191,8 @@ def check_transfers() -> None:
             with torch.inference_mode():
                 out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40,
                                      do_sample=False, output_logits=True, return_dict_in_generate=True)
-            assert all(layer.offloaded.zero_copy is zero_copy for layer in cache.layers if layer.offloaded is not None)
+            stable = [layer.storage.offloaded for layer in cache.layers if layer.storage.offloaded is not None]
+            assert all(offloaded.zero_copy is zero_copy for offloaded in stable)
             results[zero_copy] = transfer_outcome(cache, out.logits)
         assert_same_transfer_outcome(results[True], results[False])
 
@@ -264,6 +277,7 @@ class FlashInferStandIn:
     index buffer (``indices[indptr[r]:indptr[r + 1]]``, tail last with ``last_page_len`` tokens)."""
 
     name = "flashinfer-stand-in"
+    paged_decode = FlashInferBackend.paged_decode  # the table path: compacts the table into the planned buffer
 
     def __init__(self, launches: list) -> None:
         self.launches = launches
@@ -278,7 +292,8 @@ class FlashInferStandIn:
         self.scale = scale
         return planned
 
-    def run_prepared(self, planned, query, pool_k, pool_v, out):
+    def run_prepared(self, planned, query, pool_k, pool_v, out=None):
+        out = torch.empty_like(query) if out is None else out
         self.launches.append(("flashinfer", query.data_ptr(), pool_k.data_ptr(), pool_k.shape, out.data_ptr(),
                               planned.indices.data_ptr(), self.scale))
         return listed_pages_attention(query, pool_k, pool_v, planned, self.scale, out)
@@ -330,7 +345,7 @@ def check_graph() -> None:
     would replay, the launches must match the captured ones exactly (tensor storage, shapes and scalars), i.e.
     nothing the graph reads moved without a re-capture; through left padding, reranks, promotions, tail retirements,
     growth, a crop and a continued generate. Tokens must equal the torch reference path's."""
-    from flexicache import FlexiCache, HeadProfile, cache, decode_graph
+    from flexicache import FlexiCache, HeadProfile, decode_graph
     from flexicache.backends import triton_select
 
     torch.cuda.synchronize = lambda *args, **kwargs: None
@@ -363,31 +378,39 @@ def check_graph() -> None:
     model = tiny_model()
     profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
     ids, mask = padded_batch()
-    original = (cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run)
-
-    def lazy_initialization(self, keys, values):
-        original[1](self, keys, values)
-        self.fused_table = True
-        if self.offloaded is not None:
-            self.offloaded.zero_copy = True
-
     tokens = {}
     for mode in ("graph", "reference"):
+        with cuda_path_on_cpu(lambda: FlashInferStandIn(launches)) if mode == "graph" else contextlib.nullcontext():
+            original_run = decode_graph.DecodeGraph.run
+            decode_graph.DecodeGraph.run = run if mode == "graph" else original_run
+            try:
+                flexi = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4)
+                with torch.inference_mode():
+                    tokens[mode] = generate_crop_continue(model, flexi, ids, mask, first_tokens=40)
+            finally:
+                decode_graph.DecodeGraph.run = original_run
         if mode == "graph":
-            cache.resolve_backend = lambda name, device, dtype, head_dim: FlashInferStandIn(launches)
-            cache.FlexiLayer.lazy_initialization = lazy_initialization
-            decode_graph.DecodeGraph.run = run
-        else:
-            cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run = original
-        flexi = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4)
-        with torch.inference_mode():
-            tokens[mode] = generate_crop_continue(model, flexi, ids, mask, first_tokens=40)
-        if mode == "graph":
-            captures = [layer.graph.captures for layer in flexi.layers]
+            captures = [layer.graphed.graph.captures for layer in flexi.layers]
             assert all(1 <= count <= 12 for count in captures), captures  # most steps replay
             assert flexi.stats()["promoted_pages"] > 0
     assert not mismatches, mismatches[:1]
     assert all(torch.equal(a, b) for a, b in zip(tokens["graph"], tokens["reference"]))
+
+
+@contextlib.contextmanager
+def cuda_path_on_cpu(make_backend):
+    """Give new caches the CUDA path on CPU tensors: the Triton decode kernels (interpreted), zero-copy transfers
+    and ``make_backend()`` as every layer's backend (a FlashInfer stand-in: the CUDA-graph decode path)."""
+    from flexicache import backends, decode_paths, offload
+
+    original = (backends.resolve_backend, decode_paths.fused_kernels_available, offload.zero_copy_available)
+    backends.resolve_backend = lambda name, device, dtype, head_dim: make_backend()
+    decode_paths.fused_kernels_available = lambda device, head_dim: True
+    offload.zero_copy_available = lambda device: True
+    try:
+        yield
+    finally:
+        backends.resolve_backend, decode_paths.fused_kernels_available, offload.zero_copy_available = original
 
 
 class ExternalReads(TorchDispatchMode):
@@ -443,13 +466,14 @@ class ExternalReads(TorchDispatchMode):
 
 def host_state(flexi) -> list:
     """The cache's host-side bookkeeping (what a graph replay cannot change)."""
-    state = [flexi.sequence.num_chunks, flexi.sequence.logical_length, flexi.sequence.num_tokens_host.tolist()]
+    sequence = flexi.sequence
+    state = [sequence.num_chunks, sequence.logical_length, sequence.last_chunk_start, sequence.decode_steps,
+             sequence.num_tokens_host.tolist(), id(sequence.last_plan)]
     for layer in flexi.layers:
-        state += [layer.logical_length, layer.committed_length, layer.num_chunks, layer.decode_steps,
-                  layer.unstable_counters.reranks, id(layer.plan)]
-        if layer.offloaded is not None:
-            state += [layer.offloaded.steps_since_rerank, layer.offloaded.counters.reranks,
-                      layer.offloaded.counters.bytes_d2h]
+        state += [layer.num_chunks, layer.get_seq_length(), layer.unstable_counters.reranks]
+        offloaded = layer.storage.offloaded
+        if offloaded is not None:
+            state += [offloaded.steps_since_rerank, offloaded.counters.reranks, offloaded.counters.bytes_d2h]
     return state
 
 
@@ -462,13 +486,18 @@ class EmulatedGraph:
         self.run_forward, self.flexi, self.reads, self.problems, self.recorded = run_forward, flexi, reads, problems, None
         # What a real graph bakes in: each layer's recorded work (a replay may follow a step whose host work was done
         # by prepare_replay, which leaves these as the last recording set them).
-        self.layer_work = [(layer._recorded_rerank, layer._recorded_launch) for layer in flexi.layers]
+        self.layer_work = [(layer.graphed.recorded_rerank, layer.graphed.recorded_launch) for layer in flexi.layers]
+        # A real replay runs the recorded kernels whatever grad mode its caller is in: run the forward again in the
+        # recording's mode (torch dispatches some ops differently in another one).
+        self.grad_mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
 
     def replay(self) -> None:
         before = host_state(self.flexi)
         for layer, (rerank, launch) in zip(self.flexi.layers, self.layer_work):
-            layer._recorded_rerank, layer._recorded_launch = rerank, launch
-        with ExternalReads() as mode, self.flexi.recording():
+            layer.graphed.recorded_rerank, layer.graphed.recorded_launch = rerank, launch
+        inference, grad = self.grad_mode
+        with (ExternalReads() as mode, self.flexi.step_graphs.recording(), torch.inference_mode(inference),
+              torch.set_grad_enabled(grad)):
             self.recorded.output = self.run_forward()
         if mode.reads != self.reads:
             self.problems.append(next((i, a, b) for i, (a, b) in enumerate(zip(mode.reads, self.reads)) if a != b))
@@ -481,9 +510,10 @@ def emulated_recording(problems: list):
     from flexicache import step_graph
 
     def record(store, key, flexi, tensors, forward):
-        inputs = {name: tensor.clone() for name, tensor in tensors.items()}
+        with torch.inference_mode(False):  # as step_graph._record makes them: replays copy into them in any mode
+            inputs = {name: tensor.clone() for name, tensor in tensors.items()}
         before = host_state(flexi)
-        with ExternalReads() as mode, flexi.recording():
+        with ExternalReads() as mode, flexi.step_graphs.recording():
             output = forward(inputs)
         assert host_state(flexi) == before
         graph = EmulatedGraph(lambda: forward(inputs), flexi, mode.reads, problems)
@@ -496,40 +526,19 @@ def emulated_recording(problems: list):
 
 @contextlib.contextmanager
 def graph_path_on_cpu(make_backend, record):
-    """Route new caches through the whole-step graph path on CPU tensors: the layers take the CUDA path's kernels
-    (interpreted) with ``make_backend()`` for FlashInfer and zero-copy transfers, each layer's graph runs its launch,
-    ``record`` stands in for ``step_graph._record``; readiness is the real check after a graphed step (only the
-    capacity) and the layers' check without the CUDA device test before one."""
-    from flexicache import cache, decode_graph, step_graph
+    """Route new caches through the whole-step graph path on CPU tensors: :func:`cuda_path_on_cpu`, each layer's
+    graph runs its launch, ``record`` stands in for ``step_graph._record`` and the CPU counts as one CUDA device."""
+    from flexicache import decode_graph, step_graph
 
-    original = (cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run,
-                cache.FlexiCache.graphed_step_ready, step_graph._record)
-
-    def lazy_initialization(self, keys, values):
-        original[1](self, keys, values)
-        self.fused_table = True
-        if self.offloaded is not None:
-            self.offloaded.zero_copy = True
-            self.offloaded.counters.promoted_pages = torch.zeros((), dtype=torch.long)
-            self.offloaded.counters.bytes_h2d = torch.zeros((), dtype=torch.long)
-
-    def graphed_step_ready(self):
-        if self.step_graphs.storage is not None and self.step_graphs.chunk == self.sequence.num_chunks:
-            return original[3](self)
-        page_size = self.settings.page_size
-        next_pages = (int(self.sequence.num_tokens_host.max()) + page_size) // page_size
-        return self.settings.cuda_graphs and all(layer.graphed_step_ready(next_pages) for layer in self.layers)
-
-    cache.resolve_backend = lambda name, device, dtype, head_dim: make_backend()
-    cache.FlexiLayer.lazy_initialization = lazy_initialization
+    original = (decode_graph.DecodeGraph.run, step_graph._single_cuda_device, step_graph._record)
     decode_graph.DecodeGraph.run = lambda self, launch, storage_key: (launch(), self.output)[1]
-    cache.FlexiCache.graphed_step_ready = graphed_step_ready
+    step_graph._single_cuda_device = lambda layers: True
     step_graph._record = record
     try:
-        yield
+        with cuda_path_on_cpu(make_backend):
+            yield
     finally:
-        (cache.resolve_backend, cache.FlexiLayer.lazy_initialization, decode_graph.DecodeGraph.run,
-         cache.FlexiCache.graphed_step_ready, step_graph._record) = original
+        decode_graph.DecodeGraph.run, step_graph._single_cuda_device, step_graph._record = original
 
 
 def check_step() -> None:
@@ -541,12 +550,10 @@ def check_step() -> None:
     happen), a crop, a continued generate and a hand-written decode loop, the tokens must equal the torch reference
     path's."""
     from flexicache import FlexiCache, HeadProfile
-    from flexicache.backends import triton_rerank, triton_select, triton_transfer
     from flexicache.evaluation.generation import greedy_generate
 
     torch.cuda.synchronize = lambda *args, **kwargs: None
-    for module in (triton_select, triton_transfer, triton_rerank):
-        ExternalReads.record_launches(module)
+    record_kernel_launches()
     problems: list = []
 
     record = emulated_recording(problems)
@@ -561,8 +568,9 @@ def check_step() -> None:
         with graph_path if mode == "step graphs" else contextlib.nullcontext():
             flexi = FlexiCache.from_model(model, profile=profile, token_budget=32, page_size=4, rerank_interval=4)
             finished = []  # steps whose host work was split around the replay (prepare_replay / finish_replay)
-            finish_replay = flexi.finish_replay
-            flexi.finish_replay = lambda plan: (finished.append(plan.num_new_pages), finish_replay(plan))[1]
+            finish_replay = flexi.step_graphs.finish_replay
+            flexi.step_graphs.finish_replay = lambda plan: (finished.append(plan.num_new_pages),
+                                                            finish_replay(plan))[1]
             grew = []
             clear = flexi.step_graphs.clear
             flexi.step_graphs.clear = lambda: (  # note the clears of a storage change (not those of a reset)
@@ -589,24 +597,35 @@ def check_step() -> None:
     assert all(torch.equal(a, b) for a, b in zip(tokens["step graphs"], tokens["reference"]))
 
 
+def flashinfer_on_cpu() -> None:
+    """Let the real :class:`FlashInferBackend` run on CPU tensors in this process: FlashInfer's wrapper is
+    :class:`DecodeWrapperStandIn`, and the CUDA calls around it (synchronisation, page-locking) do nothing."""
+    import types
+
+    sys.modules["flashinfer"] = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=DecodeWrapperStandIn,
+                                                      __version__="0.7.2.post1")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
+
+def record_kernel_launches() -> None:
+    """Make every FlexiCache Triton kernel log its launches to the active :class:`ExternalReads`."""
+    from flexicache.backends import triton_rerank, triton_select, triton_transfer
+
+    for module in (triton_select, triton_transfer, triton_rerank):
+        ExternalReads.record_launches(module)
+
+
 def check_interleave() -> None:
     """Two caches of different lengths share the process's FlashInfer backend (the real ``FlashInferBackend`` over a
     torch stand-in of FlashInfer's wrapper) and alternate whole-step graphed decode steps, with the CUDA-core and
     the tensor-core kernel (both reuse a plan while the page counts stay): each step must plan for its own cache
     before its replay (the other cache re-planned the shared buffers in between), replays must read what they
     recorded, and each cache's tokens must equal its own reference-path run."""
-    import types
-
     from flexicache import FlexiCache, HeadProfile
-    from flexicache.backends import triton_rerank, triton_select, triton_transfer
-    from flexicache.backends.flashinfer import FlashInferBackend
 
-    sys.modules["flashinfer"] = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=DecodeWrapperStandIn,
-                                                      __version__="0.7.2.post1")
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
-    for module in (triton_select, triton_transfer, triton_rerank):
-        ExternalReads.record_launches(module)
+    flashinfer_on_cpu()
+    record_kernel_launches()
     problems: list = []
     profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
     torch.manual_seed(1)
@@ -643,7 +662,126 @@ def check_interleave() -> None:
         assert all(torch.equal(tokens[name], reference[name]) for name in prompts), tensor_cores
 
 
+class StreamStandIn:
+    def wait_stream(self, other) -> None:
+        pass
+
+
+class CapturedGraph:
+    """What a CUDA graph keeps of Python: nothing (a replay runs the recorded kernels, not the code that launched
+    them), so a stand-in replay does nothing."""
+
+    def replay(self) -> None:
+        pass
+
+
+def capture_stand_in(launch, device, pool=None) -> CapturedGraph:
+    launch()  # a capture runs the Python once, recording what it launches
+    return CapturedGraph()
+
+
+def check_freeing() -> None:
+    """With the cycle collector off, a cache nobody refers to any more is freed, its layers, storage and decode
+    paths with it, on the CUDA paths run on CPU tensors: the fused kernels launched eagerly, per-layer CUDA graphs
+    and whole-step graphs, the caches sharing one FlashInfer backend (the real one over a torch stand-in of
+    FlashInfer's wrapper, as the process-wide one is shared), through prefill, reranks, promotions, tail
+    retirements, growth, a crop and a continued generate. Captures run their launch once and keep nothing of it;
+    replays do nothing (the outputs are check_graph's and check_step's concern). ``close()`` frees a cache's
+    storage and recorded steps at once, while it is still referred to."""
+    import gc
+    import weakref
+
+    from flexicache import FlexiCache, HeadProfile, decode_graph, disable_step_graphs, enable_step_graphs, step_graph
+    from flexicache.backends import ReferenceBackend
+
+    flashinfer_on_cpu()
+    torch.cuda.graph_pool_handle = lambda: None
+    torch.cuda.current_stream = lambda device=None: StreamStandIn()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    decode_graph.capture = step_graph.capture = capture_stand_in
+    step_graph.capture_stream = lambda device: StreamStandIn()
+    step_graph._single_cuda_device = lambda layers: True
+    shared = FlashInferBackend(torch.device("cpu"))
+    model = tiny_model()
+    profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
+    ids, mask = padded_batch()
+    settings = {"profile": profile, "token_budget": 32, "page_size": 4, "rerank_interval": 4}
+    cases = {"FusedDecode": (ReferenceBackend, disable_step_graphs), "GraphedDecode": (lambda: shared,
+             disable_step_graphs), "whole-step graphs": (lambda: shared, enable_step_graphs)}
+    for name, (make_backend, step_graphs) in cases.items():
+        gc.collect()
+        gc.disable()
+        try:
+            with cuda_path_on_cpu(make_backend):
+                cache = FlexiCache.from_model(model, **settings)
+                step_graphs(model)
+                with torch.inference_mode():
+                    generate_crop_continue(model, cache, ids, mask, first_tokens=20)
+                stats, paths = cache.stats(), {type(layer.path).__name__ for layer in cache.layers}
+                parts = [cache, *cache.layers, *(layer.storage for layer in cache.layers),
+                         *(layer.path for layer in cache.layers)]
+                refs = [weakref.ref(part) for part in parts]
+                del cache, parts
+            alive = [ref() for ref in refs if ref() is not None]
+            assert not alive, (name, type(alive[0]).__name__, [type(r).__name__ for r in gc.get_referrers(alive[0])])
+        finally:
+            gc.enable()
+        assert paths == {name if name != "whole-step graphs" else "GraphedDecode"}, (name, paths)
+        assert stats["promoted_pages"] > 0 and (stats["step_graph_replays"] > 0) == (name == "whole-step graphs")
+    gc.disable()
+    try:
+        with cuda_path_on_cpu(lambda: shared), FlexiCache.from_model(model, **settings) as cache:
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, do_sample=False)
+            held = [weakref.ref(layer.storage) for layer in cache.layers]
+            held += [weakref.ref(recorded) for recorded in cache.step_graphs.steps.values()]
+            assert len(held) > 2
+        assert all(ref() is None for ref in held) and cache.closed
+    finally:
+        gc.enable()
+
+
+def check_modes() -> None:
+    """The CUDA graph paths on CPU tensors under ``inference_mode``, ``no_grad`` and plain mode, in any order: the
+    FlashInfer backend the process shares (the real one over a torch stand-in of FlashInfer's wrapper) first used
+    under ``inference_mode`` by another cache (as ``warm_up`` uses it), then caches prefilled under one mode and
+    decoded step by step under the others, whole-step graphs (emulated, as in :func:`check_step`) recorded in one
+    mode and replayed in another. Tokens must equal the torch reference path's in inference mode alone."""
+    from flexicache import FlexiCache, HeadProfile
+
+    flashinfer_on_cpu()
+    record_kernel_launches()
+    problems: list = []
+    profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
+    settings = {"profile": profile, "token_budget": 32, "page_size": 4, "rerank_interval": 4}
+    model = tiny_model()
+    prompt = torch.randint(0, 512, (2, 60), generator=torch.Generator().manual_seed(2))
+    modes = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "plain": contextlib.nullcontext}
+
+    def decode(order: list[str], steps: int = 18) -> torch.Tensor:
+        cache = FlexiCache.from_model(model, **settings)
+        with modes[order[0]]():
+            last = model(input_ids=prompt, past_key_values=cache).logits[:, -1].argmax(-1)
+        tokens = []
+        for step in range(steps):
+            tokens.append(last)
+            with modes[order[(step + 1) % len(order)]]():  # a clone: an inference tensor is no plain-mode input
+                last = model(input_ids=last[:, None].clone(), past_key_values=cache).logits[:, -1].argmax(-1)
+        assert cache.stats()["promoted_pages"] > 0
+        return torch.stack(tokens, 1)
+
+    reference = decode(["inference_mode"])
+    shared = FlashInferBackend(torch.device("cpu"))
+    with graph_path_on_cpu(lambda: shared, emulated_recording(problems)):
+        with torch.inference_mode():
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                           past_key_values=FlexiCache.from_model(model, **settings))
+        for order in (["no_grad", "plain", "inference_mode"], ["inference_mode", "plain", "no_grad"]):
+            assert torch.equal(decode(order), reference), order
+    assert not problems, problems[:1]
+
+
 if __name__ == "__main__":
     checks = {"table": check_table, "topk": check_topk, "transfers": check_transfers, "rerank": check_rerank, "graph": check_graph,
-              "step": check_step, "interleave": check_interleave}
+              "step": check_step, "interleave": check_interleave, "freeing": check_freeing, "modes": check_modes}
     checks[sys.argv[1]]()

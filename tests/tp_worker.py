@@ -90,7 +90,7 @@ def main() -> None:
             **logit_differences(tokens, logits, dense, dense_logits, context),
             "kv_heads": [layer.num_kv_heads for layer in cache.layers],
             "unstable_heads": [layer.unstable_heads for layer in cache.layers],
-            "stored_kv_heads": [int(layer.meta.kmin.shape[1]) for layer in cache.layers],
+            "stored_kv_heads": [int(layer.storage.meta.kmin.shape[1]) for layer in cache.layers],
             "reranks_stable": stats["reranks_stable"],
             "bytes_by_device": kv_bytes_by_device(cache),
             "dense_kv_bytes": stats["dense_kv_bytes"],

@@ -13,10 +13,10 @@ def transfer_outcome(cache: FlexiCache, logits: tuple[torch.Tensor, ...]) -> tup
     host tiers (cloned), and the cache's counters. Compare two with :func:`assert_same_transfer_outcome`. Checks
     :func:`assert_selected_slots_hold_their_pages` first."""
     assert_selected_slots_hold_their_pages(cache)
-    layers = [layer for layer in cache.layers if layer.offloaded is not None]
-    state = [tensor.clone() for layer in layers for tensor in
-             (layer.offloaded.selected, layer.offloaded.selected_scores, layer.pool.k, layer.pool.v,
-              layer.offloaded.host.k, layer.offloaded.host.v)]
+    stored = [layer.storage for layer in cache.layers if layer.storage.offloaded is not None]
+    state = [tensor.clone() for storage in stored for tensor in
+             (storage.offloaded.selected, storage.offloaded.selected_scores, storage.pool.k, storage.pool.v,
+              storage.offloaded.host.k, storage.offloaded.host.v)]
     return torch.stack(logits), state, cache.stats()
 
 
@@ -32,14 +32,14 @@ def assert_selected_slots_hold_their_pages(cache: FlexiCache) -> None:
     """The stable heads' invariant: every device selection slot holds exactly the host page it lists (the page a
     rerank promoted or a tail retirement moved there; full pages never change on the host)."""
     for index, layer in enumerate(cache.layers):
-        pages = layer.offloaded
+        pages = layer.storage.offloaded
         if pages is None:
             continue
-        host_k, host_v = pages._host_pages()
+        host_k, host_v = pages.host.pages()
         row, column = (pages.selected >= 0).nonzero(as_tuple=True)
         device_slot = pages.base + row * pages.k + column
         host_page = (row * pages.host.k.shape[2] + pages.selected[row, column]).to(host_k.device)
-        for device_pages, host_pages in ((layer.pool.k, host_k), (layer.pool.v, host_v)):
+        for device_pages, host_pages in ((pages.pool.k, host_k), (pages.pool.v, host_v)):
             differs = (device_pages[device_slot].cpu() != host_pages[host_page].cpu()).flatten(1).any(1)
             assert not bool(differs.any()), (
                 f"layer {index}: selection slots {device_slot[differs.to(device_slot.device)].tolist()} do not hold "

@@ -4,8 +4,9 @@ Importing the package registers the ``"flexicache"`` attention implementation wi
 """
 
 from flexicache.attention import register as _register_attention
-from flexicache.cache import FlexiCache, FlexiLayer
+from flexicache.cache import FlexiCache
 from flexicache.config import FlexiCacheConfig
+from flexicache.layer import FlexiLayer
 from flexicache.profile import HeadProfile
 from flexicache.step_graph import disable_step_graphs, enable_step_graphs
 from flexicache.warmup import warm_up

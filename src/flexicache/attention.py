@@ -1,81 +1,32 @@
-"""The ``"flexicache"`` attention function registered with transformers, and its hand-off from the cache.
+"""The ``"flexicache"`` attention function registered with transformers.
 
-transformers calls ``cache.update(k, v, layer_idx)`` and then the attention function, which receives the module
-but not the cache. ``FlexiLayer.update`` therefore stages the chunk it received here (per thread), and the
-attention function takes it back, checking the layer index. A staged chunk that nobody takes means the model is
-not running the flexicache attention: the next ``update`` raises with instructions.
+Prefill chunks (several query tokens) run dense sdpa and are committed into the cache's pages afterwards; a
+single-token decode step on a non-empty FlexiCache runs the layer's sparse paged decode. The chunk comes from the
+cache's ``update`` through :mod:`flexicache.handoff`. Without a FlexiCache in the forward the function is sdpa.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import warnings
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-if TYPE_CHECKING:
-    from flexicache.cache import FlexiLayer
-
+from flexicache import handoff
 
 ATTENTION_NAME = "flexicache"
-SWITCH_HINT = (
-    "Load the model with attn_implementation=\"flexicache\" (after `import flexicache`), call "
-    "model.set_attn_implementation(\"flexicache\"), or build the cache with FlexiCache.from_model(model, ...)."
-)
 UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "sliding_window")
-
-
-@dataclass
-class StagedChunk:
-    """Keys/values ``[B, H, T, D]`` that ``FlexiLayer.update`` received, waiting for the attention function."""
-
-    layer: FlexiLayer
-    layer_idx: int
-    keys: torch.Tensor
-    values: torch.Tensor
-    logical_start: int
-
-    @property
-    def is_decode(self) -> bool:
-        return self.keys.shape[2] == 1 and self.logical_start > 0
-
-
-_local = threading.local()
-
-
-def stage(chunk: StagedChunk) -> None:
-    """Called by ``FlexiLayer.update``; fails if the previous layer's chunk was never attended to."""
-    previous = getattr(_local, "chunk", None)
-    _local.chunk = chunk
-    if previous is not None:
-        _local.chunk = None  # drop both: once the model is switched, the next forward must not fail again
-        raise RuntimeError(
-            f"FlexiCache layer {previous.layer_idx} was updated but its attention did not run through the "
-            f"flexicache attention function: the model uses another attn_implementation. {SWITCH_HINT}"
-        )
-
-
-def clear_staged() -> None:
-    """Drop a staged chunk (after an interrupted forward, or on cache reset)."""
-    _local.chunk = None
-
-
-def _take(layer_idx: int | None) -> StagedChunk | None:
-    chunk = getattr(_local, "chunk", None)
-    if chunk is None:
-        return None
-    if layer_idx is not None and chunk.layer_idx != layer_idx:
-        raise RuntimeError(
-            f"flexicache attention of layer {layer_idx} found the cache update of layer {chunk.layer_idx}; the "
-            "model must call cache.update(...) and then its attention, layer by layer."
-        )
-    _local.chunk = None
-    return chunk
+DENSE_DECODE_WARNING = (
+    "The model runs the \"flexicache\" attention, but no FlexiCache was passed: this decode step (and every later "
+    "one) attends densely over the whole context, like sdpa. Pass a cache to generate: "
+    "model.generate(..., past_key_values=FlexiCache.from_model(model, token_budget=...)) (or cache= from "
+    "transformers 5.24); set the model back to \"sdpa\" to silence this for dense runs."
+)
+_warned_dense_decode = False  # the warning above is given once per process
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
@@ -100,6 +51,14 @@ def real_tokens_of_chunk(attention_mask: torch.Tensor | None, start: int, length
     return None if bool(row.all()) else row
 
 
+def _warn_dense_decode(query: torch.Tensor, key: torch.Tensor) -> None:
+    """Warn (once) when a decode step (one query token over a longer cache) runs dense for want of a FlexiCache."""
+    global _warned_dense_decode
+    if not _warned_dense_decode and query.shape[2] == 1 and key.shape[2] > 1:
+        _warned_dense_decode = True
+        warnings.warn(DENSE_DECODE_WARNING, UserWarning, stacklevel=3)
+
+
 def flexicache_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -118,15 +77,16 @@ def flexicache_attention_forward(
     Returns:
         ``([B, T, Hq, D], None)`` like transformers' attention functions.
     """
-    chunk = _take(getattr(module, "layer_idx", None))
-    if chunk is None:  # no FlexiCache in this forward (e.g. DynamicCache or use_cache=False)
+    chunk = handoff.take(getattr(module, "layer_idx", None))
+    layer = None if chunk is None else chunk.layer
+    if layer is None:  # no FlexiCache in this forward (e.g. DynamicCache or use_cache=False)
+        _warn_dense_decode(query, key)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     for name in UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"FlexiCache does not support attention with `{name}`; use DynamicCache.")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    layer = chunk.layer
     with on_device(query.device):  # kernels launch on the current CUDA device: make it this layer's
         if chunk.is_decode:
             return layer.decode(chunk, query, scale), None

@@ -1,10 +1,13 @@
-"""Validated FlexiCache settings."""
+"""Validated FlexiCache settings, and the head profile a cache is built with."""
 
 from __future__ import annotations
 
 import operator
+import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+from flexicache.profile import HeadProfile
 
 BackendName = Literal["auto", "reference", "flashinfer"]
 
@@ -87,3 +90,15 @@ def _positive_tokens(value: object) -> int:
         raise ValueError(f"max_cache_len must be a positive number of tokens (prompt + new tokens) or None, "
                          f"got {value!r}.")
     return tokens
+
+
+def resolve_profile(profile: HeadProfile | str | os.PathLike | None, config: Any) -> HeadProfile:
+    """The :class:`HeadProfile` of a cache for the model ``config``, checked against its shape: ``profile`` itself,
+    or one read as :meth:`HeadProfile.from_pretrained` reads it (a file, a folder, a shipped profile's name such as
+    ``"smollm2-135m-instruct"``, a hub repository id), or :meth:`HeadProfile.default` for ``None``."""
+    if profile is None:
+        profile = HeadProfile.default(config)
+    elif not isinstance(profile, HeadProfile):
+        profile = HeadProfile.from_pretrained(profile)
+    profile.validate_for(config)
+    return profile

@@ -23,6 +23,7 @@ class StepInputs:
     tokens after the step's token), ``page`` and ``offset`` (where the step's token goes) and ``before`` (real
     tokens before it)."""
 
+    @torch.inference_mode(False)  # made outside inference mode, like every buffer a cache keeps (flexicache.storage)
     def __init__(self, batch_size: int, device: torch.device) -> None:
         self.values = torch.zeros(4, batch_size, dtype=torch.long, device=device)
         self._loaded: AppendPlan | None = None
@@ -59,6 +60,7 @@ class DecodeGraph:
         capture: ``False`` launches the same kernels eagerly at every step (for debugging and comparison).
     """
 
+    @torch.inference_mode(False)  # made outside inference mode, like every buffer a cache keeps (flexicache.storage)
     def __init__(self, batch_size: int, num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, capture: bool = True) -> None:
         self.keys = torch.zeros(batch_size, num_kv_heads, head_dim, dtype=dtype, device=device)

@@ -49,11 +49,10 @@ def load_model(name_or_path: str = SMOLLM2, gguf_file: str | None = None, device
                dtype: torch.dtype | None = None, attn_implementation: str = "flexicache") -> tuple[Any, Any]:
     """``(model, tokenizer)`` from a hub id, a local folder (optionally a GGUF file in it) or ``"smollm2"``.
 
-    The model is put in eval mode on ``device`` (CUDA when available by default) with the flexicache attention.
+    The model is put in eval mode on ``device`` (CUDA when available by default) with the flexicache attention
+    (registered by importing the package, which importing this module does).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import flexicache  # noqa: F401  (registers the flexicache attention)
 
     if name_or_path == SMOLLM2:
         name_or_path, gguf_file = smollm2_folder(), gguf_file or SMOLLM2_GGUF

@@ -20,8 +20,13 @@ import torch
 from flexicache.backends import triton_available
 from flexicache.host_memory import pinned_zeros
 from flexicache.paging import PagePool
-from flexicache.selection import select_pages
+from flexicache.selection import update_selection
 from flexicache.sequence import AppendPlan, host_to_device, per_row
+
+
+def zero_copy_available(device: torch.device) -> bool:
+    """Whether page moves between the host tier and ``device`` run as zero-copy Triton kernels (CUDA + Triton)."""
+    return device.type == "cuda" and triton_available()
 
 
 @dataclass
@@ -52,6 +57,7 @@ class HostTier:
         self.k = self._zeros((batch_size, num_heads, capacity, page_size, head_dim), dtype)
         self.v = self._zeros((batch_size, num_heads, capacity, page_size, head_dim), dtype)
 
+    @torch.inference_mode(False)  # made outside inference mode, like every buffer a cache keeps (flexicache.storage)
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return pinned_zeros(shape, dtype) if self.pin_memory else torch.zeros(shape, dtype=dtype)
 
@@ -71,6 +77,28 @@ class HostTier:
     @property
     def nbytes_reserved(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+    def pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tier as ``[B * h * P, ps, D]`` pages (keys, values): page ``p`` of row ``r`` is ``r * P + p``."""
+        shape = (-1, *self.k.shape[3:])
+        return self.k.view(shape), self.v.view(shape)
+
+    def to_device(self, num_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``num_pages`` pages of every row as device ``[B, h, num_pages, ps, D]`` keys/values: one
+        asynchronous copy per row and tensor from the page-locked tier (a row's pages are contiguous in it)."""
+        batch_size, num_heads, capacity, page_size, head_dim = self.k.shape
+        copies = []
+        for pages in (self.k, self.v):
+            target = torch.empty(batch_size * num_heads, num_pages, page_size, head_dim, dtype=pages.dtype,
+                                 device=device)
+            by_row = pages.view(batch_size * num_heads, capacity, page_size, head_dim)
+            if num_pages == capacity:
+                target.copy_(by_row, non_blocking=True)
+            else:
+                for row in range(batch_size * num_heads):
+                    target[row].copy_(by_row[row, :num_pages], non_blocking=True)
+            copies.append(target.view(batch_size, num_heads, num_pages, page_size, head_dim))
+        return copies[0], copies[1]
 
 
 class OffloadedPages:
@@ -98,7 +126,7 @@ class OffloadedPages:
                              capacity=host_pages)
         self.counters = TransferCounters()
         self.steps_since_rerank = 0
-        self.zero_copy = device.type == "cuda" and triton_available()
+        self.zero_copy = zero_copy_available(device)
         if self.zero_copy:  # counted on the device, in place (a whole-step CUDA graph replays the additions)
             self.counters.promoted_pages = torch.zeros((), dtype=torch.long, device=device)
             self.counters.bytes_h2d = torch.zeros((), dtype=torch.long, device=device)
@@ -117,7 +145,7 @@ class OffloadedPages:
         return (batch.unsqueeze(1) * self.num_heads + torch.arange(self.num_heads, device=batch.device)).reshape(-1)
 
     def _host_page_index(self, batch: torch.Tensor, page: torch.Tensor) -> torch.Tensor:
-        """``[n * h]`` index into :meth:`_host_pages` of page ``page [n]`` of every row of requests ``batch [n]``."""
+        """``[n * h]`` index into :meth:`HostTier.pages` of page ``page [n]`` of every row of requests ``batch [n]``."""
         return self._rows_of(batch) * self.host.k.shape[2] + per_row(page, self.num_heads)
 
     def _tail_slots(self, batch: torch.Tensor) -> torch.Tensor:
@@ -140,7 +168,7 @@ class OffloadedPages:
         if self.zero_copy:
             from flexicache.backends.triton_transfer import retire_tails
 
-            retire_tails(self._device_pages(), self._host_pages(), self.selected, self.selected_scores, batch,
+            retire_tails(self._device_pages(), self.host.pages(), self.selected, self.selected_scores, batch,
                          plan.before, self.base, self.num_heads, self.host.k.shape[2], self.page_size)
             self.counters.bytes_d2h += self._page_bytes(batch.numel() * self.num_heads)
             return
@@ -175,7 +203,7 @@ class OffloadedPages:
         ``before [B]`` (tokens before this step): one launch at every step (zero-copy path only)."""
         from flexicache.backends.triton_transfer import retire_tails
 
-        retire_tails(self._device_pages(), self._host_pages(), self.selected, self.selected_scores,
+        retire_tails(self._device_pages(), self.host.pages(), self.selected, self.selected_scores,
                      self.all_requests, before, self.base, self.num_heads, self.host.k.shape[2], self.page_size,
                      full_only=True)
 
@@ -186,17 +214,12 @@ class OffloadedPages:
 
     def _offload_tails(self, batch: torch.Tensor, page: torch.Tensor, tail_slots: torch.Tensor) -> None:
         """Copy the tail slots ``[n * h]`` of requests ``batch [n]`` to host page ``page [n]`` (one per request)."""
-        self._copy_pages(self._device_pages(), self._host_pages(), tail_slots, self._host_page_index(batch, page),
+        self._copy_pages(self._device_pages(), self.host.pages(), tail_slots, self._host_page_index(batch, page),
                          torch.ones_like(tail_slots, dtype=torch.bool))
         self.counters.bytes_d2h += self._page_bytes(batch.numel() * self.num_heads)
 
     def _device_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pool.k, self.pool.v
-
-    def _host_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The host tier as ``[B * h * P, ps, D]`` pages: page ``p`` of row ``r`` is ``r * P + p``."""
-        shape = (-1, *self.host.k.shape[3:])
-        return self.host.k.view(shape), self.host.v.view(shape)
 
     def _copy_pages(self, source: tuple[torch.Tensor, torch.Tensor], target: tuple[torch.Tensor, torch.Tensor],
                     source_index: torch.Tensor, target_index: torch.Tensor, mask: torch.Tensor) -> None:
@@ -233,12 +256,12 @@ class OffloadedPages:
         if self.zero_copy:  # the device writes the tokens into the pinned tier and reads the tails back: no sync
             from flexicache.backends.triton_transfer import copy_pages, write_tokens
 
-            write_tokens(new_keys, new_values, self._host_pages(), plan.batch, plan.page, plan.offset,
+            write_tokens(new_keys, new_values, self.host.pages(), plan.batch, plan.page, plan.offset,
                          self.host.k.shape[2])
             requests = host_to_device(nonempty, device)
             tail_page = (plan.after[requests] - 1) // self.page_size
             tail_slots = self._tail_slots(requests)
-            copy_pages(self._host_pages(), self._device_pages(), self._host_page_index(requests, tail_page), tail_slots,
+            copy_pages(self.host.pages(), self._device_pages(), self._host_page_index(requests, tail_page), tail_slots,
                        torch.ones_like(tail_slots, dtype=torch.int8))
             self.counters.bytes_h2d += self._page_bytes(nonempty.numel() * self.num_heads)
             return
@@ -269,36 +292,17 @@ class OffloadedPages:
 
             if fits_fused_rerank(scores, self.k - 1):  # the same result as below, in two launches
                 promoted = rerank_rows(scores.contiguous(), num_full_pages, self.selected, self.selected_scores,
-                                       self._host_pages(), self._device_pages(), self.base, self.host.k.shape[2])
+                                       self.host.pages(), self._device_pages(), self.base, self.host.k.shape[2])
                 self._count_promotions(promoted)
                 return
+        new_pages, promoted, target_cols, selected = update_selection(scores, num_full_pages, self.selected)
         slots_per_row = self.k - 1
-        width = scores.shape[1]
-        new_pages, _ = select_pages(scores, num_full_pages, slots_per_row, force_last=False)
-        if new_pages.shape[1] < slots_per_row:
-            new_pages = torch.nn.functional.pad(new_pages, (0, slots_per_row - new_pages.shape[1]), value=-1)
-        old_pages = self.selected
-        in_new = self._membership(new_pages, width)
-        in_old = self._membership(old_pages, width)
-        keep = (old_pages >= 0) & in_new.gather(1, old_pages.clamp(min=0).clamp(max=width))
-        promoted = (new_pages >= 0) & ~in_old.gather(1, new_pages.clamp(min=0))  # over the new pages' entries
-        # Pair the r-th promoted page of a row with its r-th free slot (column ``slots_per_row`` takes the rest).
-        dump = slots_per_row
-        free = ~keep
-        columns = torch.arange(slots_per_row, device=keep.device).expand_as(keep)
-        slot_of_rank = torch.full((keep.shape[0], slots_per_row + 1), dump, dtype=torch.long, device=keep.device)
-        slot_of_rank.scatter_(1, torch.where(free, free.long().cumsum(1) - 1, dump), columns)
-        target_cols = slot_of_rank.gather(1, torch.where(promoted, promoted.long().cumsum(1) - 1, dump))
-        target_cols = torch.where(promoted, target_cols, dump)
-        rows = torch.arange(keep.shape[0], device=keep.device).unsqueeze(1)
-        self._copy_pages(self._host_pages(), self._device_pages(),
+        rows = torch.arange(promoted.shape[0], device=promoted.device).unsqueeze(1)
+        self._copy_pages(self.host.pages(), self._device_pages(),
                          (rows * self.host.k.shape[2] + new_pages.clamp(min=0)).view(-1),
                          (self.base + rows * self.k + target_cols.clamp(max=slots_per_row - 1)).view(-1),
                          promoted.view(-1))
         self._count_promotions(promoted.sum())
-        selected = torch.cat([torch.where(keep, old_pages, -1), old_pages.new_full((keep.shape[0], 1), -1)], 1)
-        selected.scatter_(1, target_cols, new_pages)
-        selected = selected[:, :slots_per_row]
         self.selected.copy_(selected)  # in place: captured decode graphs read this storage
         page_scores = scores.gather(1, selected.clamp(min=0)).to(self.selected_scores.dtype)
         page_scores = page_scores.masked_fill(selected == 0, float("inf"))
@@ -314,12 +318,6 @@ class OffloadedPages:
         else:
             counters.promoted_pages = counters.promoted_pages + count
             counters.bytes_h2d = counters.bytes_h2d + count * self._page_bytes(1)
-
-    @staticmethod
-    def _membership(pages: torch.Tensor, width: int) -> torch.Tensor:
-        """``[R, width + 1]`` bool: page ``p`` is listed in the row (column ``width`` collects the -1 padding)."""
-        member = torch.zeros(pages.shape[0], width + 1, dtype=torch.bool, device=pages.device)
-        return member.scatter_(1, pages.masked_fill(pages < 0, width), True)
 
     # ----------------------------------------------------------------------------------------------- decode
 
@@ -346,7 +344,7 @@ class OffloadedPages:
         device, head_dim = self.pool.k.device, self.pool.k.shape[-1]
         batch_size = self.num_rows // self.num_heads
         if self.host.pin_memory:  # copies from the page-locked tier, ordered after the kernels that write it
-            keys, values = self._host_pages_to_device(num_pages)
+            keys, values = self.host.to_device(num_pages, device)
         else:
             keys = self.host.k[:, :, :num_pages].to(device, copy=True, memory_format=torch.contiguous_format)
             values = self.host.v[:, :, :num_pages].to(device, copy=True, memory_format=torch.contiguous_format)
@@ -358,20 +356,3 @@ class OffloadedPages:
         keys[nonempty, :, tail_page] = self.pool.k[tail_slots].view(shape)  # the tail pages live on the device
         values[nonempty, :, tail_page] = self.pool.v[tail_slots].view(shape)
         return (keys.view(batch_size, self.num_heads, -1, head_dim), values.view(batch_size, self.num_heads, -1, head_dim))
-
-    def _host_pages_to_device(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``num_pages`` host pages of every row as device ``[B, h, num_pages, ps, D]`` keys/values: one
-        asynchronous copy per row and tensor (a row's pages are contiguous in the tier)."""
-        batch_size, num_heads, capacity, page_size, head_dim = self.host.k.shape
-        copies = []
-        for pages in (self.host.k, self.host.v):
-            target = torch.empty(batch_size * num_heads, num_pages, page_size, head_dim, dtype=pages.dtype,
-                                 device=self.pool.k.device)
-            by_row = pages.view(batch_size * num_heads, capacity, page_size, head_dim)
-            if num_pages == capacity:
-                target.copy_(by_row, non_blocking=True)
-            else:
-                for row in range(batch_size * num_heads):
-                    target[row].copy_(by_row[row, :num_pages], non_blocking=True)
-            copies.append(target.view(batch_size, num_heads, num_pages, page_size, head_dim))
-        return copies[0], copies[1]

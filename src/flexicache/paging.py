@@ -22,8 +22,9 @@ def grow_dim(tensor: torch.Tensor, dim: int, size: int, fill: float | int | bool
         return tensor
     shape = list(tensor.shape)
     shape[dim] = grown_size(current, size)
-    grown = tensor.new_full(shape, fill)
-    grown.narrow(dim, 0, current).copy_(tensor)
+    with torch.inference_mode(False):  # made outside inference mode, like every buffer a cache keeps (flexicache.storage)
+        grown = tensor.new_full(shape, fill)
+        grown.narrow(dim, 0, current).copy_(tensor)
     return grown
 
 

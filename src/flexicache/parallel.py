@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from transformers.cache_utils import Cache
 
+from flexicache.config import resolve_profile
 from flexicache.profile import HeadProfile, model_shape
-
-if TYPE_CHECKING:
-    from flexicache.cache import FlexiCache
 
 # Projections whose output holds the keys (as in transformers' own `get_kv_heads_per_rank`), and the TP styles that
 # leave each rank a contiguous slice of that output (``*_gather_output``/``*_rep`` styles replicate it instead).
@@ -132,16 +131,13 @@ def local_view(model: torch.nn.Module, profile: HeadProfile | str | os.PathLike 
     if shard is None:
         return model.config, profile
     rank, world_size = shard
-    if profile is None:
-        profile = HeadProfile.default(model.config)
-    elif not isinstance(profile, HeadProfile):
-        profile = HeadProfile.load(profile)
-    profile.validate_for(model.config)
+    profile = resolve_profile(profile, model.config)
     return shard_config(model.config, world_size), shard_profile(profile, rank, world_size)
 
 
-def kv_bytes_by_device(cache: FlexiCache) -> dict[str, dict[str, int]]:
-    """``{device: {"device_kv_bytes", "device_metadata_bytes", "host_kv_bytes"}}`` summed over the layers there.
+def kv_bytes_by_device(cache: Cache) -> dict[str, dict[str, int]]:
+    """``{device: {"device_kv_bytes", "device_metadata_bytes", "host_kv_bytes"}}`` summed over the layers of a
+    FlexiCache that live there.
 
     A layer counts under the device its pages live on (``layer.device``); its host tier's bytes count under that
     device too. Layers that hold nothing yet are skipped.

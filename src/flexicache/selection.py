@@ -81,3 +81,46 @@ def select_pages(
     sort_keys, order = sort_keys.sort(dim=1)
     pages = sort_keys.masked_fill(sort_keys == width, -1)
     return pages, top_scores.gather(1, order)
+
+
+def update_selection(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A stable rerank's new selection: the top ``S`` full pages of every row (the sink forced, ties to the lower
+    page), pages still selected keeping their slots, the ``r``-th newly promoted page taking the ``r``-th free slot.
+
+    Args:
+        scores: ``[R, P]`` page scores (``P`` >= every row's full pages).
+        num_full_pages: ``[R]`` candidate pages of each row (all its pages but the tail).
+        selected: ``[R, S]`` page held by each selection slot (``-1`` = empty).
+
+    Returns:
+        ``(new_pages, promoted, target_slots, updated)``: ``[R, S]`` each: the new pages in ascending order
+        (``-1`` padded), which of them were not selected before, the slot each promoted one goes to (``S`` for the
+        others) and the updated selection.
+    """
+    slots_per_row = selected.shape[1]
+    width = scores.shape[1]
+    new_pages, _ = select_pages(scores, num_full_pages, slots_per_row, force_last=False)
+    if new_pages.shape[1] < slots_per_row:
+        new_pages = torch.nn.functional.pad(new_pages, (0, slots_per_row - new_pages.shape[1]), value=-1)
+    in_new = _membership(new_pages, width)
+    in_old = _membership(selected, width)
+    keep = (selected >= 0) & in_new.gather(1, selected.clamp(min=0).clamp(max=width))
+    promoted = (new_pages >= 0) & ~in_old.gather(1, new_pages.clamp(min=0))  # over the new pages' entries
+    # Pair the r-th promoted page of a row with its r-th free slot (column ``slots_per_row`` takes the rest).
+    dump = slots_per_row
+    free = ~keep
+    columns = torch.arange(slots_per_row, device=keep.device).expand_as(keep)
+    slot_of_rank = torch.full((keep.shape[0], slots_per_row + 1), dump, dtype=torch.long, device=keep.device)
+    slot_of_rank.scatter_(1, torch.where(free, free.long().cumsum(1) - 1, dump), columns)
+    target_slots = slot_of_rank.gather(1, torch.where(promoted, promoted.long().cumsum(1) - 1, dump))
+    target_slots = torch.where(promoted, target_slots, dump)
+    updated = torch.cat([torch.where(keep, selected, -1), selected.new_full((keep.shape[0], 1), -1)], 1)
+    updated.scatter_(1, target_slots, new_pages)
+    return new_pages, promoted, target_slots, updated[:, :slots_per_row]
+
+
+def _membership(pages: torch.Tensor, width: int) -> torch.Tensor:
+    """``[R, width + 1]`` bool: page ``p`` is listed in the row (column ``width`` collects the -1 padding)."""
+    member = torch.zeros(pages.shape[0], width + 1, dtype=torch.bool, device=pages.device)
+    return member.scatter_(1, pages.masked_fill(pages < 0, width), True)

@@ -2,18 +2,23 @@
 
 ``generate`` left-pads batches, so a request's *logical* positions (what the attention mask and
 ``get_seq_length`` count) include pad tokens that never enter a page. ``SequenceState`` tracks, per request,
-which logical positions hold real tokens and how many real tokens there are; every layer of one forward
-appends the same chunk, so the indices of that append are computed once (:class:`AppendPlan`) and shared.
+which logical positions hold real tokens and how many real tokens there are, and for the batch how many chunks and
+decode steps it went through; every layer of one forward appends the same chunk, so the indices of that append are
+computed once (:class:`AppendPlan`) and shared, with the values layers derive from them (computed by the first layer
+that asks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
+from flexicache.backends.base import DecodeLayout, build_decode_layout
 
-@dataclass
+
+@dataclass(eq=False)  # compared by identity: one plan per chunk (and device), shared by the layers
 class AppendPlan:
     """Where the real tokens of one chunk go. ``N`` = real tokens in the chunk, ``M`` = pages they open.
 
@@ -35,17 +40,58 @@ class AppendPlan:
     before_host: torch.Tensor
     after_host: torch.Tensor
     is_single_token: bool
-    memo: dict = field(default_factory=dict, repr=False)  # per-step values derived once and shared by layers
-    _per_device: dict = field(default_factory=dict, repr=False)
+    _per_device: dict[torch.device, AppendPlan] = field(default_factory=dict, repr=False)
+    _row_offsets: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _layouts: dict[tuple[int, int], DecodeLayout] = field(default_factory=dict, repr=False)
 
     @property
     def num_new_pages(self) -> int:
         return self.new_page_batch.numel()
 
-    @property
+    @cached_property
     def max_pages_after(self) -> int:
         """Pages of the longest request after the chunk."""
         return int((self.after_host.max().item() + self.page_size - 1) // self.page_size)
+
+    @cached_property
+    def full_page_width(self) -> int:
+        """Full pages of the longest request after the chunk (the score width a stable rerank needs)."""
+        return int((self.after_host - 1).clamp(min=0).max()) // self.page_size
+
+    @cached_property
+    def full_tails(self) -> torch.Tensor:
+        """``[B]`` bool (CPU): requests whose tail page filled up before this single-token step."""
+        return (self.before_host > 0) & (self.before_host % self.page_size == 0)
+
+    @cached_property
+    def num_full_tails(self) -> int:
+        return int(self.full_tails.sum())
+
+    @cached_property
+    def full_pages_before(self) -> int:
+        """Full pages of the longest request before this single-token step (the host tier's room for retiring)."""
+        return int(self.before_host.max()) // self.page_size
+
+    @cached_property
+    def full_tail_requests(self) -> torch.Tensor | None:
+        """``[n]`` requests (on the plan's device) whose tail page filled up before this single-token step, or
+        ``None`` if none did."""
+        if not bool(self.full_tails.any()):
+            return None
+        return host_to_device(self.full_tails.nonzero().view(-1), self.batch.device)
+
+    def row_offsets(self, num_heads: int) -> torch.Tensor:
+        """``[B * num_heads]`` offset of this single-token step's token in each row (``b * H + h``)."""
+        if num_heads not in self._row_offsets:
+            self._row_offsets[num_heads] = per_row(self.offset, num_heads)
+        return self._row_offsets[num_heads]
+
+    def decode_layout(self, num_heads: int, pages_per_head: int) -> DecodeLayout:
+        """The row layout of this decode step (one object for every layer of the step: backends plan once)."""
+        key = (num_heads, pages_per_head)
+        if key not in self._layouts:
+            self._layouts[key] = build_decode_layout(self.after_host, num_heads, pages_per_head, self.page_size)
+        return self._layouts[key]
 
     def on(self, device: torch.device) -> AppendPlan:
         """This plan with its device tensors on ``device`` (cached; layers may live on different devices)."""
@@ -93,10 +139,12 @@ class SequenceState:
 
     def reset(self) -> None:
         self.valid: torch.Tensor | None = None  # [B, capacity] bool on the CPU, logical positions holding real tokens
-        self.logical_length = 0
+        self.logical_length = 0  # logical positions of every chunk planned so far, padding included
+        self.last_chunk_start = 0  # logical positions before the last planned chunk
         self.num_tokens: torch.Tensor | None = None  # [B] long, on the device
         self.num_tokens_host: torch.Tensor | None = None  # [B] long, on the CPU
         self.num_chunks = 0
+        self.decode_steps = 0  # single-token decode steps planned (a prefill or a chunk of several tokens is none)
         self.last_plan: AppendPlan | None = None
         self.next_decode_plan: AppendPlan | None = None  # peek_decode_plan's, for chunk number num_chunks
 
@@ -104,30 +152,43 @@ class SequenceState:
     def batch_size(self) -> int:
         return 0 if self.num_tokens is None else self.num_tokens.shape[0]
 
+    def logical_length_after(self, num_chunks: int) -> int:
+        """Logical positions of the first ``num_chunks`` chunks: what a layer that stored that many holds (a layer
+        is at most one chunk behind the cache, while a forward runs through the layers)."""
+        if num_chunks == self.num_chunks:
+            return self.logical_length
+        if num_chunks == self.num_chunks - 1:
+            return self.last_chunk_start
+        raise RuntimeError(self._out_of_step(num_chunks))
+
     def plan_chunk(self, chunk_index: int, valid: torch.Tensor | None, batch_size: int, length: int,
-                   device: torch.device) -> AppendPlan:
+                   device: torch.device, decode: bool = False) -> AppendPlan:
         """The plan of chunk number ``chunk_index``: computed by the first layer that asks, reused by the others.
 
         Args:
             chunk_index: how many chunks the asking layer has appended before this one.
             valid: ``[B, T]`` bool, True for real tokens; ``None`` means all real.
+            decode: the chunk is a decode step (counted in ``decode_steps``).
         """
         if chunk_index == self.num_chunks - 1 and self.last_plan is not None:
             return self.last_plan.on(device)
         if chunk_index != self.num_chunks:
-            raise RuntimeError(
-                f"FlexiCache layers went out of step (layer at chunk {chunk_index}, cache at {self.num_chunks}); "
-                "every decoder layer must run once per forward pass."
-            )
+            raise RuntimeError(self._out_of_step(chunk_index))
         self.last_plan = self._advance(valid, batch_size, length, device)
         self.num_chunks += 1
+        self.decode_steps += decode
         return self.last_plan
+
+    def _out_of_step(self, chunk_index: int) -> str:
+        return (f"FlexiCache layers went out of step (layer at chunk {chunk_index}, cache at {self.num_chunks}); "
+                "every decoder layer must run once per forward pass.")
 
     def _advance(self, valid: torch.Tensor | None, batch_size: int, length: int, device: torch.device) -> AppendPlan:
         if self.num_tokens is None:
             self.num_tokens = torch.zeros(batch_size, dtype=torch.long, device=device)
             self.num_tokens_host = torch.zeros(batch_size, dtype=torch.long)
-            self.valid = torch.zeros(batch_size, max(64, 2 * length), dtype=torch.bool)
+            with torch.inference_mode(False):  # written in place at every chunk, whatever grad mode it runs in
+                self.valid = torch.zeros(batch_size, max(64, 2 * length), dtype=torch.bool)
         if batch_size != self.batch_size:
             raise ValueError(
                 f"FlexiCache holds a batch of {self.batch_size} requests, got {batch_size}: call cache.reset() "
@@ -216,9 +277,11 @@ class SequenceState:
 
     def _store_validity(self, valid: torch.Tensor | None, length: int) -> None:
         start, end = self.logical_length, self.logical_length + length
+        self.last_chunk_start = start
         if end > self.valid.shape[1]:
-            grown = torch.zeros(self.batch_size, 2 * end, dtype=torch.bool)
-            grown[:, :start] = self.valid[:, :start]
+            with torch.inference_mode(False):
+                grown = torch.zeros(self.batch_size, 2 * end, dtype=torch.bool)
+                grown[:, :start] = self.valid[:, :start]
             self.valid = grown
         self.valid[:, start:end] = True if valid is None else valid
         self.logical_length = end

@@ -5,16 +5,17 @@ transformers issues a decode step as thousands of small kernel launches from Pyt
 :func:`enable_step_graphs` (``FlexiCache.from_model`` calls it), a decode step (one new token per request) on a
 FlexiCache whose layers all run the CUDA path goes:
 
-1. the cache's host bookkeeping for the step (:meth:`FlexiCache.begin_graphed_step`: token counts, pool slots
+1. the cache's host bookkeeping for the step (:meth:`StepGraphStore.begin`: token counts, pool slots
    and host-tier room for the pages the step opens and retires, counters, the FlashInfer plan, the static per-step
    inputs; the retirement and page opening themselves run in the graph);
 2. the step's inputs (``input_ids``, ``position_ids``, ...) copied into static buffers, then one replay of a CUDA
    graph of the whole forward.
 
 When the previous decode step also ran from a graph and nothing came between, step 1 shrinks to what the device
-reads (:meth:`FlexiCache.prepare_replay`: the step's plan and static inputs, made while the previous step ran on the
-GPU by :meth:`FlexiCache.prepare_next_step`; the layers' reservations only at a step that opens pages), and the rest
-of the bookkeeping (:meth:`FlexiCache.finish_replay`) runs after the replay is launched, while the GPU works.
+reads (:meth:`StepGraphStore.prepare_replay`: the step's plan and static inputs, made while the previous step ran on
+the GPU by :meth:`StepGraphStore.prepare_next_step`; the layers' reservations only at a step that opens pages), and
+the rest of the bookkeeping (:meth:`StepGraphStore.finish_replay`) runs after the replay is launched, while the GPU
+works.
 
 A graph is recorded for every new key: the shapes of the inputs, the other arguments, which layers rerank their
 stable heads at this step (``rerank_interval`` phases) and the storage of every buffer the recorded work reads
@@ -28,28 +29,55 @@ forward that reads the device from the host (e.g. data-dependent control flow) c
 then falls back to eager steps with a warning. Every other call (prefill, another cache, layers on the CPU or on
 several GPUs, ``cuda_graphs=False``) runs the model's forward unchanged. Graphs belong to one cache: a new cache
 records them again, so generations shorter than about two rerank intervals gain nothing.
+
+A cache takes part by deriving from :class:`SupportsStepGraphs` (its :class:`StepGraphStore` drives its layers through
+the small :class:`StepLayer` protocol); this module imports no cache. A recorded step keeps its output without the
+cache in it, so the graphs never keep their cache alive.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from flexicache.decode_graph import capture, capture_stream
+from flexicache.sequence import AppendPlan, SequenceState
 
-if TYPE_CHECKING:
-    from flexicache.cache import FlexiCache
+
+class StepLayer(Protocol):
+    """What a cache layer does for a whole-step graph (:class:`~flexicache.layer.FlexiLayer` implements it)."""
+
+    recording: bool  # while True, the layer only launches the device work begin_graphed_step prepared
+    device: torch.device
+
+    def graphed_step_ready(self, next_pages: int) -> bool: ...
+
+    def graphed_step_plan(self) -> AppendPlan: ...
+
+    def begin_graphed_step(self) -> tuple[bool, tuple]: ...
+
+    def reserve_graphed_step(self, plan: AppendPlan) -> None: ...
+
+    def graph_storage_key(self, plan: AppendPlan) -> tuple: ...
+
+    def prepare_device_step(self, plan: AppendPlan) -> bool: ...
+
+    def rerank_due(self, plan: AppendPlan) -> bool: ...
+
+    def finish_graphed_step(self, plan: AppendPlan) -> None: ...
 
 
 @dataclass
 class RecordedStep:
-    """A captured decode step: its graph, the static inputs it reads and the output it writes."""
+    """A captured decode step: its graph, the static inputs it reads and the output it writes (with the cache
+    replaced by a placeholder, see :func:`_recordable`)."""
 
     graph: torch.cuda.CUDAGraph
     inputs: dict[str, torch.Tensor]
@@ -57,9 +85,17 @@ class RecordedStep:
 
 
 class StepGraphStore:
-    """One cache's recorded steps, keyed by :func:`_step_key`; all for one storage layout of the cache."""
+    """One cache's recorded steps (keyed by the step's inputs and work) and the host protocol of a graphed step
+    over its ``layers`` and ``sequence``; all graphs are for one storage layout of the cache.
 
-    def __init__(self) -> None:
+    Args:
+        enabled: the cache's ``cuda_graphs`` setting.
+    """
+
+    def __init__(self, layers: Sequence[StepLayer], sequence: SequenceState, enabled: bool) -> None:
+        self.layers = layers
+        self.sequence = sequence
+        self.enabled = enabled
         self.steps: dict[tuple, RecordedStep] = {}
         self.storage: tuple | None = None
         self.chunk: int | None = None  # the cache's chunk count after the last step run here
@@ -67,6 +103,7 @@ class StepGraphStore:
         self.captures = 0
         self.replays = 0
         self.disabled: str | None = None  # why this cache runs its steps eagerly (a forward that cannot be captured)
+        self.next_reranks: tuple[AppendPlan, tuple[bool, ...]] | None = None  # prepare_next_step's, for its plan
 
     def clear(self) -> None:
         """Drop every graph (their storage is gone: cache reset, rebuild or growth)."""
@@ -74,6 +111,90 @@ class StepGraphStore:
         self.storage = None
         self.chunk = None
         self.pool = None
+
+    def reset(self) -> None:
+        """:meth:`clear`, and forget the next step prepared ahead (the cache was reset)."""
+        self.clear()
+        self.next_reranks = None
+
+    def ready(self) -> bool:
+        """Whether the next decode step's device work can run from a whole-step CUDA graph: every layer, all on one
+        CUDA device, ran a decode step on the CUDA graph path already (and can record the next one)."""
+        if not (self.enabled and self.sequence.num_tokens_host is not None):
+            return False
+        page_size = self.sequence.page_size
+        next_pages = (int(self.sequence.num_tokens_host.max()) + page_size) // page_size  # after one more token
+        return all(layer.graphed_step_ready(next_pages) for layer in self.layers) and _single_cuda_device(self.layers)
+
+    def begin(self) -> tuple[tuple[bool, tuple], ...]:
+        """Host side of the next decode step (all layers); its device work must then run from a graph recorded
+        under :meth:`recording`. Returns each layer's key of that work (whether it reranks, the storage it reads)."""
+        return tuple(layer.begin_graphed_step() for layer in self.layers)
+
+    def prepare_replay(self, storage: tuple) -> tuple[tuple[bool, ...], AppendPlan] | None:
+        """Before replaying a recorded step whose graphs read ``storage`` (the storage part of the last
+        :meth:`begin`): the device side of the next step's host work (its shared inputs; where it opens pages, the
+        layers' reservations), leaving the rest to :meth:`finish_replay`, which may run while the GPU replays.
+
+        Returns:
+            ``(which layers rerank their stable heads, the step's plan)``, or ``None`` when a graph recorded for
+            ``storage`` would read stale buffers. Either way the step has begun (its plan is taken, pages are
+            reserved): after ``None`` the caller must take :meth:`begin` (which does not repeat the reservations)
+            and record or replay.
+        """
+        layers = self.layers
+        plan = layers[0].graphed_step_plan()
+        if not layers[0].prepare_device_step(plan):
+            return None
+        if plan.num_new_pages:  # only a step that opens pages reserves, and only a reservation can reallocate
+            for layer in layers:
+                layer.reserve_graphed_step(plan)
+            if tuple(layer.graph_storage_key(plan) for layer in layers) != storage:
+                return None
+        ahead = self.next_reranks
+        reranks = ahead[1] if ahead is not None and ahead[0] is plan else self._reranks_due(plan)
+        return reranks, plan
+
+    def _reranks_due(self, plan: AppendPlan) -> tuple[bool, ...]:
+        return tuple(layer.rerank_due(plan) for layer in self.layers)
+
+    def finish_replay(self, plan: AppendPlan) -> None:
+        """The host bookkeeping of a step prepared by :meth:`prepare_replay` that no device work reads."""
+        for layer in self.layers:
+            layer.finish_graphed_step(plan)
+
+    def prepare_next_step(self) -> None:
+        """Right after a graphed step is launched: the next decode step's plan and shared device inputs, made while
+        the GPU works (their device writes queue behind the launched step). No state a caller sees changes: the
+        next step takes them over if it is a decode step (:meth:`SequenceState.peek_decode_plan`), any other call
+        recomputes its own."""
+        first = self.layers[0]
+        plan = self.sequence.peek_decode_plan(first.device)
+        first.prepare_device_step(plan)
+        self.next_reranks = (plan, self._reranks_due(plan))  # the rerank phase only moves with a step
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """While a forward of the step prepared by :meth:`begin` is recorded (or run once): layers only launch
+        device work and change no host state."""
+        for layer in self.layers:
+            layer.recording = True
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.recording = False
+
+
+class SupportsStepGraphs:
+    """A cache whose decode steps :class:`StepGraphs` may replay: it holds its :class:`StepGraphStore`."""
+
+    step_graphs: StepGraphStore
+
+
+def _single_cuda_device(layers: Sequence[StepLayer]) -> bool:
+    """Whether every layer lives on one CUDA device (a graph is captured on one device)."""
+    return layers[0].device.type == "cuda" and all(layer.device == layers[0].device for layer in layers)
 
 
 class StepGraphs:
@@ -88,12 +209,12 @@ class StepGraphs:
             self.parameters = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        cache = _flexicache_of(kwargs)
+        cache = next((value for value in kwargs.values() if isinstance(value, SupportsStepGraphs)), None)
         input_ids = kwargs.get("input_ids")
         if (args or cache is None or input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1
                 or kwargs.get("inputs_embeds") is not None or cache.step_graphs.disabled is not None
-                or input_ids.shape[0] != cache.sequence.batch_size  # the eager path says what is wrong
-                or not cache.graphed_step_ready()):
+                or input_ids.shape[0] != cache.step_graphs.sequence.batch_size  # the eager path says what is wrong
+                or not cache.step_graphs.ready()):
             return self.eager_forward(*args, **kwargs)
         recorded_kwargs = {name: value for name, value in kwargs.items() if name != "attention_mask"}
         recorded_kwargs.update(self._missing_positions(recorded_kwargs, cache.get_seq_length(), input_ids.device))
@@ -124,62 +245,64 @@ class StepGraphs:
         return missing
 
 
-def run_graphed_step(cache: FlexiCache, key: tuple, tensors: dict[str, torch.Tensor],
+def run_graphed_step(cache: SupportsStepGraphs, key: tuple, tensors: dict[str, torch.Tensor],
                      forward: Callable[[dict[str, torch.Tensor]], Any]) -> Any:
-    """One decode step of ``cache`` from a CUDA graph (call only when :meth:`FlexiCache.graphed_step_ready`).
+    """One decode step of ``cache`` from a CUDA graph (call only when its ``step_graphs.ready()``).
 
     Does the step's host bookkeeping, then replays the graph recorded for ``key`` (what the caller's work depends
     on, e.g. input shapes) and the step's rerank phase, after copying ``tensors`` (the step's inputs) into its
     static inputs; or, for a new key, runs ``forward(static inputs)`` once and records it. When the previous
     decode step also ran here, only the bookkeeping the device reads precedes the replay, most of it made while
-    the previous step ran on the GPU (:meth:`FlexiCache.prepare_next_step`); the rest runs while this one does
-    (:meth:`FlexiCache.prepare_replay`, :meth:`FlexiCache.finish_replay`).
+    the previous step ran on the GPU (:meth:`StepGraphStore.prepare_next_step`); the rest runs while this one does
+    (:meth:`StepGraphStore.prepare_replay`, :meth:`StepGraphStore.finish_replay`).
 
     Returns:
         ``forward``'s output, its tensors copied (the next replay overwrites the recorded ones).
     """
     store = cache.step_graphs
-    if store.storage is not None and store.chunk == cache.sequence.num_chunks:  # nothing appended since
-        prepared = cache.prepare_replay(store.storage)
+    if store.storage is not None and store.chunk == store.sequence.num_chunks:  # nothing appended since
+        prepared = store.prepare_replay(store.storage)
         recorded = store.steps.get((key, prepared[0])) if prepared is not None else None
         if recorded is not None:
-            output = _replay(store, recorded, tensors)
-            cache.finish_replay(prepared[1])
-            store.chunk = cache.sequence.num_chunks
-            cache.prepare_next_step()
+            output = _replay(store, recorded, tensors, cache)
+            store.finish_replay(prepared[1])
+            store.chunk = store.sequence.num_chunks
+            store.prepare_next_step()
             return output
-    rerank, storage = zip(*cache.begin_graphed_step())
+    rerank, storage = zip(*store.begin())
     if storage != store.storage:  # something reallocated: the recorded graphs read freed memory
         store.clear()
         store.storage = storage
     key = (key, rerank)
     recorded = store.steps.get(key)
-    output = _record(store, key, cache, tensors, forward) if recorded is None else _replay(store, recorded, tensors)
-    store.chunk = cache.sequence.num_chunks
+    output = (_record(store, key, cache, tensors, forward) if recorded is None
+              else _replay(store, recorded, tensors, cache))
+    store.chunk = store.sequence.num_chunks
     if store.disabled is None:
-        cache.prepare_next_step()
+        store.prepare_next_step()
     return output
 
 
-def _replay(store: StepGraphStore, recorded: RecordedStep, tensors: dict[str, torch.Tensor]) -> Any:
+def _replay(store: StepGraphStore, recorded: RecordedStep, tensors: dict[str, torch.Tensor], cache: Any) -> Any:
     for name, tensor in tensors.items():
         recorded.inputs[name].copy_(tensor)
     recorded.graph.replay()
     store.replays += 1
-    return _detached(recorded.output)
+    return _detached(recorded.output, cache)
 
 
-def _record(store: StepGraphStore, key: tuple, cache: FlexiCache, tensors: dict[str, torch.Tensor],
+def _record(store: StepGraphStore, key: tuple, cache: Any, tensors: dict[str, torch.Tensor],
             forward: Callable[[dict[str, torch.Tensor]], Any]) -> Any:
     """Run the prepared step once eagerly on the capture stream (the step's work, whose output is returned; it also
     warms that stream up, e.g. cuBLAS), then capture the same forward for the later steps."""
-    inputs = {name: tensor.clone() for name, tensor in tensors.items()}
+    with torch.inference_mode(False):  # each replay copies its step's inputs in, whatever grad mode it runs in
+        inputs = {name: tensor.clone() for name, tensor in tensors.items()}
     device = next(iter(inputs.values())).device
     if store.pool is None:
         store.pool = torch.cuda.graph_pool_handle()
     current, stream = torch.cuda.current_stream(device), capture_stream(device)
     outputs: list[Any] = []
-    with cache.recording():
+    with store.recording():
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             output = forward(inputs)
@@ -194,27 +317,33 @@ def _record(store: StepGraphStore, key: tuple, cache: FlexiCache, tensors: dict[
             warnings.warn(f"FlexiCache: this model's decode step cannot be captured as a CUDA graph ({error}); "
                           "the cache runs its steps layer by layer from now on.", RuntimeWarning, stacklevel=3)
             return output
-    store.steps[key] = RecordedStep(graph, inputs, outputs[0])
+    store.steps[key] = RecordedStep(graph, inputs, _recordable(outputs[0], cache))
     store.captures += 1
     return output
 
 
-def _flexicache_of(kwargs: dict[str, Any]) -> FlexiCache | None:
-    from flexicache.cache import FlexiCache
-
-    return next((value for value in kwargs.values() if isinstance(value, FlexiCache)), None)
+_CACHE = object()  # stands for the cache in a recorded output: the store's graphs must not keep their cache alive
 
 
-def _detached(output: Any) -> Any:
-    """A copy of a recorded output (a model output, tensor, sequence or ``None``) whose tensors the next replay
-    does not overwrite."""
-    if torch.is_tensor(output):
-        return output.clone()
+def _rebuilt(output: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``output`` (a model output, sequence, tensor or other value) with ``leaf`` applied to every leaf."""
     if isinstance(output, (list, tuple)):
-        return type(output)(_detached(item) for item in output)
+        return type(output)(_rebuilt(item, leaf) for item in output)
     if hasattr(output, "items"):
-        return type(output)(**{name: _detached(value) for name, value in output.items()})
-    return output
+        return type(output)(**{name: _rebuilt(value, leaf) for name, value in output.items()})
+    return leaf(output)
+
+
+def _recordable(output: Any, cache: Any) -> Any:
+    """A recorded output to keep: its tensors (the graph's, overwritten by each replay) and :data:`_CACHE` where
+    ``cache`` was."""
+    return _rebuilt(output, lambda value: _CACHE if value is cache else value)
+
+
+def _detached(output: Any, cache: Any = None) -> Any:
+    """A copy of a recorded output whose tensors the next replay does not overwrite, ``cache`` put back."""
+    return _rebuilt(output, lambda value: value.clone() if torch.is_tensor(value) else cache if value is _CACHE
+                    else value)
 
 
 def enable_step_graphs(model: torch.nn.Module) -> StepGraphs:

@@ -9,7 +9,6 @@ reaches all of them, with the shapes of the real work.
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from typing import Any
@@ -41,22 +40,19 @@ def warm_up(model: torch.nn.Module, context: int, batch_size: int = 1,
     if context < 1 or batch_size < 1:
         raise ValueError(f"warm_up needs context >= 1 and batch_size >= 1, got context={context}, "
                          f"batch_size={batch_size}: pass the prompt length and batch of the real work.")
-    cache = FlexiCache.from_model(model, profile, **settings)
-    page_size, interval = cache.settings.page_size, cache.settings.rerank_interval
-    new_tokens = interval + page_size + 1  # every rerank phase, a page boundary, and a step after both
-    vocab_size = model.config.get_text_config().vocab_size
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, vocab_size, (batch_size, context), generator=generator).to(input_device(model))
-    start = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, num_beams=1, **{cache_keyword(model): cache})
-    for device in started_cuda_devices():
-        torch.cuda.synchronize(device)
-    result = {"seconds": time.perf_counter() - start, "new_tokens": new_tokens, **cache.stats()}
-    # The layers' CUDA-graph launches refer back to them (reference cycles): collect now, not inside later work.
-    del cache
-    gc.collect()
+    with FlexiCache.from_model(model, profile, **settings) as cache:  # its buffers go back at the end of the block
+        page_size, interval = cache.settings.page_size, cache.settings.rerank_interval
+        new_tokens = interval + page_size + 1  # every rerank phase, a page boundary, and a step after both
+        vocab_size = model.config.get_text_config().vocab_size
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(1, vocab_size, (batch_size, context), generator=generator).to(input_device(model))
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, num_beams=1, **{cache_keyword(model): cache})
+        for device in started_cuda_devices():
+            torch.cuda.synchronize(device)
+        result = {"seconds": time.perf_counter() - start, "new_tokens": new_tokens, **cache.stats()}
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result

@@ -7,11 +7,12 @@ import warnings
 
 import torch
 
-from flexicache.backends.base import DecodeBackend, DecodeLayout, build_decode_layout
+from flexicache.backends.base import DecodeBackend, DecodeLayout, PreparedBackend, build_decode_layout
 from flexicache.backends.reference import ReferenceBackend
 
-__all__ = ["DecodeBackend", "DecodeLayout", "ReferenceBackend", "build_decode_layout", "flashinfer_unsupported",
-           "require_flashinfer_support", "resolve_backend", "triton_available"]
+__all__ = ["DecodeBackend", "DecodeLayout", "PreparedBackend", "ReferenceBackend", "build_decode_layout",
+           "flashinfer_unsupported", "layer_backend", "require_flashinfer_support", "resolve_backend",
+           "triton_available"]
 
 
 def triton_available() -> bool:
@@ -66,6 +67,20 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, head_di
     warnings.warn("FlashInfer is not installed: FlexiCache decodes with the torch reference backend "
                   "(slower). pip install 'flexicache[cuda]' for the CUDA kernels.", stacklevel=3)
     return ReferenceBackend()
+
+
+def layer_backend(backends: dict[torch.device, DecodeBackend], name: str, device: torch.device, dtype: torch.dtype,
+                  head_dim: int) -> DecodeBackend:
+    """The decode backend of a layer with KV of ``dtype`` and ``head_dim`` on ``device``: the one ``backends`` holds
+    for the device (resolved by its first layer and shared, so the plan is made once per step), unless that one is
+    FlashInfer and cannot decode this layer's KV (a model whose layers differ): then this layer's own fallback."""
+    backend = backends.get(device)
+    if backend is None:
+        backend = backends[device] = resolve_backend(name, device, dtype, head_dim)
+    elif (device.type == "cuda" and not isinstance(backend, ReferenceBackend)
+          and flashinfer_unsupported(dtype, head_dim) is not None):
+        backend = resolve_backend(name, device, dtype, head_dim)
+    return backend
 
 
 @functools.cache

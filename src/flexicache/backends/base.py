@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -63,4 +63,23 @@ class DecodeBackend(Protocol):
         Returns:
             ``[R, G, D]`` in the query's dtype.
         """
+        ...
+
+
+@runtime_checkable
+class PreparedBackend(DecodeBackend, Protocol):
+    """A decode backend that plans a step once (host side) and then decodes from fixed buffers the caller fills:
+    the CUDA-graph path (:class:`~flexicache.decode_paths.GraphedDecode`) captures :meth:`run_prepared`."""
+
+    def prepare(self, layout: DecodeLayout, group: int, head_dim: int, page_size: int, pages_per_head: int,
+                dtype: torch.dtype, scale: float) -> Any:
+        """Plan the step of ``layout`` (once per step: every layer passes the same layout) and return its buffers:
+        ``indices`` (int32 ``[R * K + 1]``, the caller writes each row's listed pool slots at ``indptr[r]``) and
+        ``indptr`` (int32 ``[R + 1]`` on the device)."""
+        ...
+
+    def run_prepared(self, planned: Any, query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode ``query [R, G, D]`` over the pool ``[S, ps, D]`` with ``planned`` (from :meth:`prepare`, its
+        indices filled); writes ``out`` when given."""
         ...

@@ -63,6 +63,10 @@ class FlashInferBackend:
 
     name = "flashinfer"
 
+    # One backend serves every cache of the process (flexicache.backends), whatever grad mode each runs in: the
+    # tensors it keeps and writes in place (workspace, plan buffers, the wrappers' own) are made outside inference
+    # mode, where in-place writes work in every mode (an inference tensor refuses them outside inference mode).
+    @torch.inference_mode(False)
     def __init__(self, device: torch.device, use_tensor_cores: bool | None = None) -> None:
         import flashinfer
 
@@ -85,16 +89,20 @@ class FlashInferBackend:
         """The CUDA-graph-mode wrapper (and its static buffers) for ``rows`` rows of at most ``pages_per_head``."""
         key = (rows, pages_per_head, tensor_cores)
         if key not in self._planned_steps:
-            indptr = torch.zeros(rows + 1, dtype=torch.int32, device=self.device)
-            indices = torch.zeros(rows * pages_per_head + 1, dtype=torch.int32, device=self.device)
-            last_page_len = torch.zeros(rows, dtype=torch.int32, device=self.device)
-            wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
-                paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
-                paged_kv_last_page_len_buffer=last_page_len, backend="fa2",
-            )
-            self._planned_steps[key] = PlannedDecode(wrapper, indices, indptr, last_page_len)
+            with torch.inference_mode(False):
+                self._planned_steps[key] = self._new_planned_step(rows, pages_per_head, tensor_cores)
         return self._planned_steps[key]
+
+    def _new_planned_step(self, rows: int, pages_per_head: int, tensor_cores: bool) -> PlannedDecode:
+        indptr = torch.zeros(rows + 1, dtype=torch.int32, device=self.device)
+        indices = torch.zeros(rows * pages_per_head + 1, dtype=torch.int32, device=self.device)
+        last_page_len = torch.zeros(rows, dtype=torch.int32, device=self.device)
+        wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+            paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=last_page_len, backend="fa2",
+        )
+        return PlannedDecode(wrapper, indices, indptr, last_page_len)
 
     def prepare(self, layout: DecodeLayout, group: int, head_dim: int, page_size: int, pages_per_head: int,
                 dtype: torch.dtype, scale: float) -> PlannedDecode:
@@ -122,10 +130,11 @@ class FlashInferBackend:
             # last plan's copy must have left that buffer (a plan may be made while earlier steps still run).
             if self._plan_staged is not None:
                 self._plan_staged.synchronize()
-            planned.wrapper.plan(
-                layout.row_indptr_host, planned.indices[:total], layout.row_last_page_len_host,
-                group, 1, head_dim, page_size, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
-            )
+            with torch.inference_mode(False):  # plan() writes (and may first make) the wrapper's own buffers
+                planned.wrapper.plan(
+                    layout.row_indptr_host, planned.indices[:total], layout.row_last_page_len_host,
+                    group, 1, head_dim, page_size, q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
+                )
             planned.planned_for = (settings, layout.row_indptr_host)
             if self.device.type == "cuda":  # on this device's stream, where plan() queued its copy
                 self._plan_staged = self._plan_staged or torch.cuda.Event()

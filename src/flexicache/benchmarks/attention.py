@@ -29,7 +29,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.cache_utils import DynamicLayer
 
-from flexicache import FlexiCache, HeadProfile, attention
+from flexicache import FlexiCache, HeadProfile, attention, handoff
 from flexicache.benchmarks.measure import synchronize
 from flexicache.step_graph import run_graphed_step
 
@@ -79,7 +79,7 @@ def prefilled_cache(shape: Shape, batch: int, context: int, budget: int = 1024, 
     for index, layer in enumerate(cache.layers):
         keys = torch.randn(batch, shape.num_kv_heads, context, shape.head_dim, dtype=torch.bfloat16, device="cuda")
         layer.update(keys, torch.randn_like(keys))
-        layer.commit(attention._take(index), query, None)
+        layer.commit(handoff.take(index), query, None)
         del keys
     return cache, query
 
@@ -135,7 +135,7 @@ def bench_flexicache(shape: Shape, prompt: list[tuple[torch.Tensor, torch.Tensor
     for index, (keys, values) in enumerate(prompt):
         layer = cache.layers[index]
         layer.update(keys, values)
-        layer.commit(attention._take(index), last_query, real_tokens=None)
+        layer.commit(handoff.take(index), last_query, real_tokens=None)
     synchronize(device)
     memory = cache.stats()
 
@@ -148,7 +148,7 @@ def bench_flexicache(shape: Shape, prompt: list[tuple[torch.Tensor, torch.Tensor
     def step(index: int) -> None:
         keys, values = new_tokens[index % len(new_tokens)]
         inputs = {"keys": keys, "values": values, "query": queries[index % len(queries)]}
-        if step_graph and cache.step_graphs.disabled is None and cache.graphed_step_ready():
+        if step_graph and cache.step_graphs.disabled is None and cache.step_graphs.ready():
             run_graphed_step(cache, ("attention layers",), inputs, layers)
         else:
             layers(inputs)

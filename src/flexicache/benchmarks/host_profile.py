@@ -33,18 +33,20 @@ from flexicache import attention
 from flexicache.backends.flashinfer import FlashInferBackend
 from flexicache.benchmarks.measure import build_model, fill_cache, timed_generate
 from flexicache.benchmarks.suite import Settings, System, model_config
-from flexicache.cache import FlexiLayer
 from flexicache.decode_graph import DecodeGraph
+from flexicache.decode_paths import GraphedDecode, TorchDecode
+from flexicache.layer import FlexiLayer
 from flexicache.offload import OffloadedPages
 from flexicache.sequence import SequenceState
+from flexicache.storage import LayerStorage
 
-CALLEES = (r"flexicache_attention_forward|\(decode\)|_decode_graphed|_prepare_token_slots"
+CALLEES = (r"flexicache_attention_forward|\(decode\)|decode_paths.py:\d+\(run\)|prepare_token_slots"
            r"|modeling_llama.py:\d+\(forward\)")
 
 
 # (owner, method name): the host-side parts of a decode step worth timing one by one
-TIMED = ((FlexiLayer, "update"), (FlexiLayer, "decode"), (FlexiLayer, "_prepare_token_slots"),
-         (FlexiLayer, "_rerank_stable"), (FlexiLayer, "_decode_graphed"), (FlexiLayer, "_decode_eager"),
+TIMED = ((FlexiLayer, "update"), (FlexiLayer, "decode"), (LayerStorage, "prepare_token_slots"),
+         (TorchDecode, "rerank_stable"), (GraphedDecode, "run"), (TorchDecode, "run"),
          (SequenceState, "plan_chunk"), (DecodeGraph, "load"), (DecodeGraph, "run"), (FlashInferBackend, "prepare"),
          (OffloadedPages, "retire_full_tails"), (OffloadedPages, "rerank"), (DynamicLayer, "update"))
 ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention_forward, attention.ATTENTION_NAME: attention.flexicache_attention_forward}

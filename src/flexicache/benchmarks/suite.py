@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from transformers import Cache, DynamicCache, LlamaConfig, MistralConfig, PretrainedConfig
 
-from flexicache import FlexiCache, HeadProfile, attention
+from flexicache import FlexiCache, HeadProfile, attention, handoff
 from flexicache.benchmarks.attention import Shape, random_profile
 
 GIB = 2**30
@@ -360,7 +360,7 @@ def empty_pinned_cache() -> None:
 
 def release(device: torch.device) -> None:
     """Drop a staged chunk an interrupted measurement left; on CUDA, free its reference cycles and cached blocks."""
-    attention.clear_staged()
+    handoff.clear_staged()
     if device.type == "cuda":  # gc.collect() costs ~0.4 s: only worth it when device memory is at stake
         gc.collect()
         torch.cuda.empty_cache()

@@ -1,0 +1,156 @@
+"""The KV storage of one layer: one device page pool, the page min/max of every head, and the two head classes.
+
+Unstable heads keep every page on the device (:class:`~flexicache.paging.ResidentPages`); stable heads keep their
+selected pages and their tail page on the device and the full KV in the host tier
+(:class:`~flexicache.offload.OffloadedPages`). Both share the layer's :class:`~flexicache.paging.PagePool` and its
+:class:`~flexicache.paging.PageMetadata`. This module holds the buffers and the writes that follow a plan; the
+kernels that read them at decode are the decode paths' (:mod:`flexicache.decode_paths`).
+
+Shapes: ``B`` requests, ``H`` KV heads (``hu`` unstable, ``hs`` stable), ``P`` pages, ``ps`` page size, ``D`` head
+dim. Rows (request, head) flatten as ``b * H + h``.
+
+Every buffer a cache keeps across calls (here, in the decode paths' graphs and step inputs, in the step graphs and
+the shared backend) is made outside inference mode: an inference tensor refuses in-place writes outside
+``torch.inference_mode``, and a cache may be filled under ``inference_mode`` and decoded under ``no_grad`` or in plain
+mode (or the other way round). Tensors that require grad are stored detached (``FlexiLayer`` drops their history).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexicache.config import FlexiCacheConfig
+from flexicache.offload import OffloadedPages
+from flexicache.paging import PageMetadata, PagePool, ResidentPages, chunk_tokens
+from flexicache.sequence import AppendPlan
+
+
+class LayerStorage:
+    """Device pages, page metadata and host tier of one layer's ``H`` KV heads, for a batch of ``B`` requests.
+
+    Args:
+        unstable_heads: KV heads that keep every page on the device (the others are stable).
+        reserved_pages: device pages per row to reserve up front (``max_cache_len``'s, capped by the decode path).
+    """
+
+    @torch.inference_mode(False)  # the buffers are kept across calls (see the module docstring)
+    def __init__(self, settings: FlexiCacheConfig, unstable_heads: list[int], num_kv_heads: int, batch_size: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device, reserved_pages: int) -> None:
+        self.settings = settings
+        self.num_kv_heads, self.batch_size, self.head_dim = num_kv_heads, batch_size, head_dim
+        self.dtype, self.device = dtype, device
+        self.unstable_heads = list(unstable_heads)
+        self.stable_heads = [head for head in range(num_kv_heads) if head not in set(unstable_heads)]
+        page_size, pages_per_head = settings.page_size, settings.pages_per_head
+        self.pool = PagePool(page_size, head_dim, dtype, device, capacity=batch_size * (
+            len(self.unstable_heads) * reserved_pages + len(self.stable_heads) * pages_per_head))
+        self.unstable_index = torch.tensor(self.unstable_heads, dtype=torch.long, device=device)
+        self.stable_index = torch.tensor(self.stable_heads, dtype=torch.long, device=device)
+        self.meta = PageMetadata(batch_size, num_kv_heads, head_dim, dtype, device, capacity=reserved_pages)
+        # Pool slot where each (request, head) writes its next decode token: the tail page's slot.
+        self.write_slots = torch.full((batch_size, num_kv_heads), -1, dtype=torch.long, device=device)
+        self.resident: ResidentPages | None = None
+        self.offloaded: OffloadedPages | None = None
+        if self.unstable_heads:
+            self.resident = ResidentPages(self.pool, batch_size, len(self.unstable_heads), page_size, reserved_pages)
+            self.open_start = torch.zeros(1, dtype=torch.long, device=device)  # whole-step graphs' page opening
+        if self.stable_heads:
+            self.offloaded = OffloadedPages(self.pool, batch_size, len(self.stable_heads), pages_per_head, page_size,
+                                            host_pages=settings.reserved_pages)
+            self.write_slots[:, self.stable_index] = self.offloaded.tail_slots()
+        self._reserved_plan: AppendPlan | None = None  # the graphed step whose room reserve_graphed_step made
+
+    # ------------------------------------------------------------------------------------------------ append
+
+    def prepare_token_slots(self, plan: AppendPlan, in_graph: bool = False) -> None:
+        """Before a single-token append: retire full stable tails, open resident pages, grow the metadata.
+
+        ``in_graph``: only the host side (room in the host tier, pool slots, transfer counts); the device side
+        runs in the graphed step's recorded work, every step, deciding per request on the device.
+        """
+        if self.offloaded is not None:
+            if in_graph:
+                self.offloaded.prepare_retirement(plan.full_pages_before, plan.num_full_tails)
+            elif plan.full_tail_requests is not None:
+                self.offloaded.retire_full_tails(plan.full_tail_requests, plan)
+        if self.resident is not None and plan.num_new_pages:
+            if in_graph:
+                self.open_start.fill_(self.resident.reserve_pages(plan))
+            else:
+                self.resident.open_pages(plan)
+                self.write_slots[:, self.unstable_index] = self.resident.tail_slots(plan.after)
+        self.meta.reserve(plan.max_pages_after)
+
+    def reserve_graphed_step(self, plan: AppendPlan) -> None:
+        """Pool slots, page-table, metadata and host-tier room for what the step ``plan`` opens and retires (once
+        per step: a second call with the same plan does nothing). The only part of a graphed step's host work
+        that can reallocate what a recorded graph reads."""
+        if self._reserved_plan is not plan:
+            self.prepare_token_slots(plan, in_graph=True)
+            self._reserved_plan = plan
+
+    def append_chunk(self, keys: torch.Tensor, values: torch.Tensor, plan: AppendPlan) -> None:
+        """Append a chunk of several tokens ``[B, H, T, D]`` to both head classes following ``plan``."""
+        self.meta.append(chunk_tokens(keys, plan), plan)
+        if self.resident is not None:
+            self.resident.append(chunk_tokens(keys.index_select(1, self.unstable_index), plan),
+                                 chunk_tokens(values.index_select(1, self.unstable_index), plan), plan)
+            self.write_slots[:, self.unstable_index] = self.resident.tail_slots(plan.after)
+        if self.offloaded is not None:
+            self.offloaded.append_chunk(chunk_tokens(keys.index_select(1, self.stable_index), plan),
+                                        chunk_tokens(values.index_select(1, self.stable_index), plan), plan)
+
+    def group_queries(self, query: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """``[B * h, G, D]`` queries of the KV heads ``heads`` from ``query [B, Hq, D]``."""
+        batch_size, num_query_heads, head_dim = query.shape
+        grouped = query.view(batch_size, self.num_kv_heads, num_query_heads // self.num_kv_heads, head_dim)
+        return grouped.index_select(1, heads).flatten(0, 1)
+
+    # ------------------------------------------------------------------------------------------- read back
+
+    def read_logical(self, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored token read back exactly, in logical positions: ``[B, H, L, D]`` (padding is zero).
+
+        Args:
+            valid: ``[B, L]`` bool (CPU), which of the ``L`` stored logical positions hold real tokens.
+        """
+        num_tokens = valid.sum(dim=1).cpu()
+        page_size = self.settings.page_size
+        num_pages = int((num_tokens.max() + page_size - 1) // page_size) if num_tokens.numel() else 0
+        shape = (self.batch_size, self.num_kv_heads, num_pages * page_size, self.head_dim)
+        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        values = torch.zeros_like(keys)
+        if self.resident is not None and num_pages:
+            keys[:, self.unstable_index], values[:, self.unstable_index] = self.resident.read_tokens(num_pages)
+        if self.offloaded is not None and num_pages:
+            keys[:, self.stable_index], values[:, self.stable_index] = self.offloaded.read_tokens(num_pages,
+                                                                                                  num_tokens)
+        logical_shape = (self.batch_size, self.num_kv_heads, valid.shape[1], self.head_dim)
+        dense_keys = torch.zeros(logical_shape, dtype=self.dtype, device=self.device)
+        dense_values = torch.zeros_like(dense_keys)
+        batch, position = valid.nonzero(as_tuple=True)
+        rank = (valid.long().cumsum(dim=1) - 1)[batch, position]
+        dense_keys[batch, :, position] = keys[batch, :, rank]
+        dense_values[batch, :, position] = values[batch, :, rank]
+        return dense_keys, dense_values
+
+    # ----------------------------------------------------------------------------------------------- bytes
+
+    def byte_counts(self, num_tokens_host: torch.Tensor) -> dict[str, int]:
+        """``device_kv_bytes``, ``device_metadata_bytes``, ``device_reserved_bytes``, ``host_kv_bytes`` and
+        ``host_reserved_bytes`` of requests holding ``num_tokens_host [B]`` real tokens (see ``FlexiCache.stats``)."""
+        page_size = self.settings.page_size
+        page_bytes = 2 * page_size * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()  # K + V
+        used_pages = int(((num_tokens_host + page_size - 1) // page_size).sum())
+        counts = {  # in use (pages of the requests' real tokens) and reserved (capacity included)
+            "device_kv_bytes": 0, "device_metadata_bytes": used_pages * self.num_kv_heads * page_bytes // page_size,
+            "device_reserved_bytes": self.pool.nbytes_reserved + self.meta.nbytes,
+            "host_kv_bytes": 0, "host_reserved_bytes": 0,
+        }
+        if self.resident is not None:
+            counts["device_kv_bytes"] += used_pages * len(self.unstable_heads) * page_bytes
+        if self.offloaded is not None:
+            counts["device_kv_bytes"] += self.offloaded.nbytes_reserved
+            counts["host_kv_bytes"] += used_pages * len(self.stable_heads) * page_bytes
+            counts["host_reserved_bytes"] += self.offloaded.host.nbytes_reserved
+        return counts
