@@ -8,6 +8,7 @@ subprocess: this file is both the test module and the script it runs.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
@@ -106,7 +107,8 @@ def listed_pages(table: tuple[torch.Tensor, torch.Tensor]) -> list[list[tuple[in
 
 def check_table() -> None:
     """Every row lists the same pages (slot, length, order) as the torch table: unstable rows over and under the
-    budget, stable rows, max and sum over the GQA group, random and all-zero queries (ties everywhere)."""
+    budget, stable rows, max and sum over the GQA group, Quest's bound and a down-weighted spread, random and all-zero
+    queries (ties everywhere)."""
     from flexicache import FlexiCache, HeadProfile
     from flexicache.decode_paths import FusedDecode, TorchDecode
 
@@ -117,15 +119,16 @@ def check_table() -> None:
         cache = FlexiCache.from_model(model, profile=profile, token_budget=64)
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=21, do_sample=False)
-            for reduce in ("max", "sum"):
+            for reduce, spread in itertools.product(("max", "sum"), (1.0, 0.5)):
                 object.__setattr__(cache.settings, "group_reduce", reduce)
+                object.__setattr__(cache.settings, "spread_weight", spread)
                 for query in (torch.randn(3, 8, 1, 32), torch.zeros(3, 8, 1, 32)):
                     rows_query = query.reshape(3 * 2, -1, 32)
                     plan = cache.sequence.last_plan
                     for layer in cache.layers:
                         expected = listed_pages(TorchDecode(layer.storage, layer.backend).table(rows_query, plan))
                         fused = FusedDecode(layer.storage, layer.backend).table(rows_query, plan)
-                        assert listed_pages(fused) == expected, (unstable, reduce)
+                        assert listed_pages(fused) == expected, (unstable, reduce, spread)
 
 
 @triton.jit
@@ -198,8 +201,9 @@ def check_transfers() -> None:
 
 
 def check_stable_scores() -> None:
-    """The stable rerank's one-launch scores equal the torch Quest bounds on every row's full pages (requests with no,
-    one and many full pages; max and sum over the group) and are -inf past them."""
+    """The stable rerank's one-launch scores equal the torch box scores on every row's full pages (requests with no,
+    one and many full pages; max and sum over the group; Quest's bound, a down-weighted and a zero spread) and are
+    -inf past them."""
     from flexicache.backends.triton_select import stable_page_scores
     from flexicache.selection import quest_page_scores
 
@@ -211,14 +215,14 @@ def check_stable_scores() -> None:
     query = torch.randn(batch * len(stable), group, head_dim, generator=generator)
     num_tokens = torch.tensor([0, 3, 5, 8, 4 * width + 1])  # 0, 0, 1, 1 (a full tail is no candidate), width
     full_pages = ((num_tokens - 1) // page_size).repeat_interleave(len(stable))
-    for reduce in ("max", "sum"):
-        got = stable_page_scores(query, kmin, kmax, num_tokens, stable, width, page_size, reduce)
+    for reduce, spread in itertools.product(("max", "sum"), (1.0, 0.5, 0.0)):
+        got = stable_page_scores(query, kmin, kmax, num_tokens, stable, width, page_size, reduce, spread)
         want = quest_page_scores(query, kmin[:, stable, :width].flatten(0, 1), kmax[:, stable, :width].flatten(0, 1),
-                                 reduce)
+                                 reduce, spread)
         inside = torch.arange(width) < full_pages[:, None]
         assert torch.allclose(got[inside], want[inside], rtol=1e-5, atol=1e-5), reduce
         assert bool((got[~inside] == float("-inf")).all()) and bool(inside.any()) and bool((~inside).any())
-        narrow = stable_page_scores(query, kmin, kmax, num_tokens, stable, 10, page_size, reduce)  # rows longer
+        narrow = stable_page_scores(query, kmin, kmax, num_tokens, stable, 10, page_size, reduce, spread)  # rows longer
         assert torch.equal(narrow, got[:, :10])  # than the width stay inside their own columns
 
 

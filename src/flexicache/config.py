@@ -22,6 +22,9 @@ class FlexiCacheConfig:
         page_size: tokens per page, a power of two.
         rerank_interval: decode steps between two reranks of a stable head (unstable heads rerank every step).
         group_reduce: how page scores of the query heads of one GQA group are combined, ``"max"`` or ``"sum"``.
+        spread_weight: how much a page's key spread counts in its score, in ``[0, 1]``: a page scores
+            ``q . centre + spread_weight * |q| . radius`` of its key box (:func:`~flexicache.selection.quest_page_scores`);
+            ``1.0`` is Quest's upper bound, ``0.5`` (the default) measured closer to dense attention (eval/RESULTS.md).
         backend: decode kernel: ``"auto"`` (FlashInfer on CUDA when installed, else the torch reference),
             ``"reference"`` or ``"flashinfer"``.
         cuda_graphs: on the CUDA + FlashInfer path, capture each layer's decode step (token append, scoring,
@@ -39,6 +42,7 @@ class FlexiCacheConfig:
     page_size: int = 16
     rerank_interval: int = 16
     group_reduce: Literal["max", "sum"] = "max"
+    spread_weight: float = 0.5
     backend: BackendName = "auto"
     cuda_graphs: bool = True
     max_cache_len: int | None = None
@@ -61,6 +65,10 @@ class FlexiCacheConfig:
             raise ValueError(f"rerank_interval must be a positive integer, got {self.rerank_interval!r}.")
         if self.group_reduce not in ("max", "sum"):
             raise ValueError(f"group_reduce must be 'max' or 'sum', got {self.group_reduce!r}.")
+        if (isinstance(self.spread_weight, bool) or not isinstance(self.spread_weight, (int, float))
+                or not 0.0 <= self.spread_weight <= 1.0):
+            raise ValueError(f"spread_weight must be a number in [0, 1] (1.0: Quest's bound), got {self.spread_weight!r}.")
+        object.__setattr__(self, "spread_weight", float(self.spread_weight))
         if self.backend not in ("auto", "reference", "flashinfer"):
             raise ValueError(f"backend must be 'auto', 'reference' or 'flashinfer', got {self.backend!r}.")
         if not isinstance(self.cuda_graphs, bool):

@@ -105,7 +105,7 @@ class TorchDecode:
     def stable_scores(self, query: torch.Tensor, num_tokens: torch.Tensor, width: int) -> torch.Tensor:
         """``[B * hs, width]`` Quest scores of the stable rows' pages for queries ``[B * hs, G, D]``."""
         kmin, kmax = self.storage.meta.rows(self.storage.stable_index, width)
-        return quest_page_scores(query, kmin, kmax, self.settings.group_reduce)
+        return quest_page_scores(query, kmin, kmax, self.settings.group_reduce, self.settings.spread_weight)
 
     def rerank_stable(self, query: torch.Tensor, num_tokens: torch.Tensor, width: int) -> None:
         """Rerank every stable row with its heads' queries from ``query [B, Hq, D]`` over its full pages (the tail
@@ -160,7 +160,7 @@ class TorchDecode:
             pages = pages.masked_fill(pages >= num_pages.unsqueeze(1), -1)
         else:
             kmin, kmax = storage.meta.rows(storage.unstable_index, width)
-            scores = quest_page_scores(query, kmin, kmax, settings.group_reduce)
+            scores = quest_page_scores(query, kmin, kmax, settings.group_reduce, settings.spread_weight)
             pages, _ = select_pages(scores, num_pages, settings.pages_per_head, force_last=True)
         is_tail = pages == (num_pages - 1).unsqueeze(1)
         page_lens = torch.where(is_tail, per_row(last_page_len, num_heads).unsqueeze(1), page_size)
@@ -185,7 +185,7 @@ class FusedDecode(TorchDecode):
 
         storage, settings = self.storage, self.settings
         return stable_page_scores(query, storage.meta.kmin, storage.meta.kmax, num_tokens, storage.stable_index,
-                                  width, settings.page_size, settings.group_reduce)
+                                  width, settings.page_size, settings.group_reduce, settings.spread_weight)
 
     def fits(self) -> bool:
         """Whether the Triton kernels can build this step's table (rows short enough for their registers)."""
@@ -217,6 +217,7 @@ class FusedDecode(TorchDecode):
             rows_query, storage.meta.kmin, storage.meta.kmax, resident.table if resident else None,
             offloaded.selected if offloaded else None, num_tokens, storage.unstable_index, storage.stable_index,
             offloaded.base if offloaded else 0, settings.pages_per_head, settings.page_size, settings.group_reduce,
+            settings.spread_weight,
         )
 
 

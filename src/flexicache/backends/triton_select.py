@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flexicache.selection import spread_weights
+
 MAX_SCORED_PAGES = 16384  # pages per row the selection holds in registers (262k tokens at page size 16)
 # Launch settings measured on the H200 (eval/gpu_kernel_sweep.py, BENCHMARKS.md): 32k context, batch 8.
 SCORE_BLOCK = 32  # pages per scoring program
@@ -84,12 +86,16 @@ def _row_of(pid, num_unstable_rows, num_unstable, num_stable, num_heads, unstabl
     return index, batch, batch * num_heads + head
 
 
-@triton.jit(do_not_specialize=["num_listed", "num_heads", "meta_capacity", "scores_stride"])
+@triton.jit(do_not_specialize=["num_listed", "num_heads", "meta_capacity", "scores_stride", "weight_high",
+                                "weight_low"])
 def _score_pages_kernel(query_ptr, kmin_ptr, kmax_ptr, num_tokens_ptr, heads_ptr, scores_ptr,
-                        num_listed, num_heads, meta_capacity, scores_stride,
+                        num_listed, num_heads, meta_capacity, scores_stride, weight_high, weight_low,
                         K: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        BLOCK_P: tl.constexpr, REDUCE_SUM: tl.constexpr, STABLE_RERANK: tl.constexpr):
-    """Quest bounds of a block of pages of row (request ``b``, head ``heads[i]``), program ``(b * n + i, block)``.
+                        BLOCK_P: tl.constexpr, REDUCE_SUM: tl.constexpr, STABLE_RERANK: tl.constexpr,
+                        SPREAD_WEIGHTED: tl.constexpr):
+    """Box scores of a block of pages of row (request ``b``, head ``heads[i]``), program ``(b * n + i, block)``:
+    Quest's bound, or with ``SPREAD_WEIGHTED`` the corners weighted ``weight_high``/``weight_low``
+    (:func:`~flexicache.selection.quest_page_scores`).
 
     Decode selection (``STABLE_RERANK`` off): every page, only rows over the budget ``K``, sink and tail +inf; the
     query of row ``b * H + h``. Stable rerank (on): full pages only (the tail is no candidate), every row, nothing
@@ -120,7 +126,13 @@ def _score_pages_kernel(query_ptr, kmin_ptr, kmax_ptr, num_tokens_ptr, heads_ptr
             score = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
         for g in tl.static_range(GROUP):
             q = tl.load(query_ptr + (query_row.to(tl.int64) * GROUP + g) * HEAD_DIM + dims).to(tl.float32)
-            bound = tl.sum(tl.maximum(q[None, :] * kmax, q[None, :] * kmin), axis=1)
+            if SPREAD_WEIGHTED:
+                positive, negative = tl.maximum(q, 0.0), tl.minimum(q, 0.0)
+                high = weight_high * positive + weight_low * negative
+                low = weight_high * negative + weight_low * positive
+                bound = tl.sum(high[None, :] * kmax + low[None, :] * kmin, axis=1)
+            else:
+                bound = tl.sum(tl.maximum(q[None, :] * kmax, q[None, :] * kmin), axis=1)
             if REDUCE_SUM:
                 score += bound
             else:
@@ -221,6 +233,7 @@ class TableInputs:
     pages_per_head: int
     page_size: int
     group_reduce: str
+    spread_weight: float = 1.0
 
 
 def selection_warps(block_scores: int) -> int:
@@ -241,7 +254,8 @@ def scores_buffer(inputs: TableInputs) -> torch.Tensor:
 
 
 def stable_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_tokens: torch.Tensor,
-                       heads: torch.Tensor, width: int, page_size: int, group_reduce: str) -> torch.Tensor:
+                       heads: torch.Tensor, width: int, page_size: int, group_reduce: str,
+                       spread_weight: float = 1.0) -> torch.Tensor:
     """The stable heads' rerank scores (:func:`~flexicache.selection.quest_page_scores` of their full pages) in one
     launch that reads the page min/max once, in place.
 
@@ -257,8 +271,9 @@ def stable_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tens
     if rows and width:
         _score_pages_kernel[(rows, triton.cdiv(width, SCORE_BLOCK))](
             query.contiguous(), kmin, kmax, num_tokens, heads, scores, heads.numel(), kmin.shape[1], kmin.shape[2],
-            width, K=0, PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_P=SCORE_BLOCK,
-            REDUCE_SUM=group_reduce == "sum", STABLE_RERANK=True, num_warps=SCORE_WARPS,
+            width, *spread_weights(spread_weight), K=0, PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim,
+            BLOCK_P=SCORE_BLOCK, REDUCE_SUM=group_reduce == "sum", STABLE_RERANK=True,
+            SPREAD_WEIGHTED=spread_weight != 1.0, num_warps=SCORE_WARPS,
         )
     return scores
 
@@ -282,9 +297,10 @@ def score_unstable_pages(inputs: TableInputs, scores: torch.Tensor) -> None:
     if num_unstable:
         _score_pages_kernel[(batch * num_unstable, triton.cdiv(capacity, SCORE_BLOCK))](
             inputs.query, inputs.kmin, inputs.kmax, inputs.num_tokens, inputs.unstable_heads, scores, num_unstable,
-            rows // batch, capacity, scores.shape[1], K=inputs.pages_per_head, PAGE_SIZE=inputs.page_size,
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_P=SCORE_BLOCK, REDUCE_SUM=inputs.group_reduce == "sum",
-            STABLE_RERANK=False, num_warps=SCORE_WARPS,
+            rows // batch, capacity, scores.shape[1], *spread_weights(inputs.spread_weight), K=inputs.pages_per_head,
+            PAGE_SIZE=inputs.page_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_P=SCORE_BLOCK,
+            REDUCE_SUM=inputs.group_reduce == "sum", STABLE_RERANK=False,
+            SPREAD_WEIGHTED=inputs.spread_weight != 1.0, num_warps=SCORE_WARPS,
         )
 
 
