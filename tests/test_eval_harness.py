@@ -30,8 +30,7 @@ CHAT = "{% for m in messages %}<user>{{ m['content'] }}{% endfor %}{% if add_gen
 
 
 # ----------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def tiny_tokenizer():
+def train_tiny_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level BPE (512 tokens) trained on the CPython docs, with an EOS and a two-marker chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -45,6 +44,19 @@ def tiny_tokenizer():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
     tokenizer.chat_template = CHAT
     return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    return train_tiny_tokenizer()
+
+
+def save_tiny_model(folder: Path) -> Path:
+    """A tiny random Llama and its tokenizer saved to ``folder`` (what ``--model FOLDER`` loads)."""
+    tokenizer = train_tiny_tokenizer()
+    make_model(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def make_model(tokenizer, seed: int = 0):
@@ -201,6 +213,16 @@ def test_longbench_loading(longbench_folder, tmp_path):
         longbench.load_local([other])
     with pytest.raises(FileNotFoundError):
         longbench.load_local([tmp_path / "missing.jsonl"])
+    import zipfile  # the benchmark's data.zip layout, read in place
+
+    with zipfile.ZipFile(tmp_path / "data.zip", "w") as archive:
+        for path in sorted((longbench_folder / "data").glob("*.jsonl")):
+            archive.write(path, f"data/{path.name}")
+    zipped = longbench.load_local([tmp_path / "data.zip"])
+    assert zipped.keys() == datasets.keys()
+    assert all(zipped[name].to_list() == datasets[name].to_list() for name in datasets)
+    both = longbench.load_local([longbench_folder, tmp_path / "data.zip"])  # one dataset from two sources
+    assert both["hotpotqa"]["_id"] == ["hotpotqa-0", "hotpotqa-1"] * 2
 
 
 def test_longbench_tasks(longbench_folder, tiny_tokenizer):
