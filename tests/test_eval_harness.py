@@ -476,6 +476,10 @@ def test_method_objects_and_their_recorded_settings(tiny_tokenizer, tiny_model, 
     assert isinstance(method.make_cache(), FlexiCache)
     with pytest.raises(ValueError, match="token_budget"):
         parse_method("page_size=8", tiny_model, {}, lambda name: None, None)
+    loaded = []
+    named = parse_method("budget=64,profile=some/dir/mine.json", tiny_model, {}, loaded.append, None)
+    assert named.name == "flexicache@64,profile=mine" and loaded == ["some/dir/mine.json"]
+    assert named.settings["profile"] == "some/dir/mine.json"  # the full path is what resuming compares
 
     task = runner_tasks(tiny_tokenizer)[:1]
     task[0].samples = task[0].samples[:1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 REFERENCE = "dense"
@@ -118,12 +119,15 @@ def parse_spec(spec: str) -> dict[str, Any]:
 def parse_method(spec: str, model: Any, defaults: Mapping[str, Any], load_profile: Callable[[str | None], Any],
                  default_profile: str | None) -> FlexiCacheMethod:
     """A ``FlexiCacheMethod`` from a spec (see :func:`parse_spec`), named ``flexicache@<budget>`` followed by the
-    spec's other settings (``flexicache@256,page_size=8``). ``defaults`` fill the settings the spec leaves out;
+    spec's other settings (``flexicache@256,page_size=8``; a profile by its file's stem: two profiles of one stem
+    are refused on resume). ``defaults`` fill the settings the spec leaves out;
     ``profile=PATH`` in the spec picks another profile than ``default_profile``; ``load_profile`` reads one."""
     options = parse_spec(spec)
     named = {k: v for k, v in options.items() if k != "token_budget"}
     profile_name = options.pop("profile", default_profile)
     if "token_budget" not in options:
         raise ValueError(f"method spec {spec!r} has no token_budget (e.g. token_budget=256,page_size=8)")
+    if "profile" in named:  # a name is a file name: a profile path is named by its file's stem
+        named["profile"] = Path(str(named["profile"])).stem
     name = f"flexicache@{options['token_budget']}" + "".join(f",{k}={v}" for k, v in named.items())
     return FlexiCacheMethod(model, {**defaults, **options}, load_profile(profile_name), profile_name, name)
