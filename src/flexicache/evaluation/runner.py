@@ -114,8 +114,8 @@ def run_batch(model: Any, tokenizer: Any, task: Task, samples: Sequence[Sample],
 
 
 def batches(task: Task, samples: Sequence[Sample], batch_size: int) -> Iterator[list[Sample]]:
-    """``samples`` in order, grouped in batches of at most ``batch_size`` that share a prompt length and a
-    stopping rule (generation tasks only; a perplexity sample runs alone)."""
+    """``samples`` in batches of at most ``batch_size`` that share a prompt length and a stopping rule: each batch
+    as soon as it is full, the partial ones at the end (generation tasks only; a perplexity sample runs alone)."""
     if task.kind == "perplexity" or batch_size <= 1:
         yield from ([sample] for sample in samples)
         return
