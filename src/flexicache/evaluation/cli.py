@@ -42,9 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--rerank-interval", type=int, default=16)
     parser.add_argument("--data", nargs="*", default=None,
-                        help="longbench/lcc: folders with data/*.jsonl or JSONL files (longbench without it: the "
-                             "hub's data.zip); leval: L-Eval JSONL files (without: the offline long-generation "
-                             "set); ppl: text files (without: standard-library sources)")
+                        help="longbench/lcc: folders with data/*.jsonl, JSONL files or zip archives of them "
+                             "(longbench without it: the hub's data.zip); leval: L-Eval JSONL files or archives "
+                             "(without: the offline long-generation set); ppl: text files (without: "
+                             "standard-library sources)")
     parser.add_argument("--out", required=True, help="results folder (re-running it resumes)")
     parser.add_argument("--limit", type=int, help="samples per task")
     parser.add_argument("--context-length", type=int, default=4096,
