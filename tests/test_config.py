@@ -55,7 +55,7 @@ def test_flashinfer_backend_on_cpu_is_refused():
     config = tiny_config(num_layers=1)
     model = tiny_model(config)
     if not flashinfer_available():  # refused at construction, before the model is touched
-        with pytest.raises(ImportError, match=r"flexicache\[cuda\]"):
+        with pytest.raises(ImportError, match=r"flexicache-kv\[cuda\]"):
             FlexiCache.from_model(model, token_budget=32, page_size=8, backend="flashinfer")
         assert model.config._attn_implementation != "flexicache"
         return

@@ -19,9 +19,10 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrained
 
 from flexicache.evaluation import lcc, leval, longbench, perplexity, synthetic
 from flexicache.evaluation.cli import main as eval_main
-from flexicache.evaluation.generation import feed_prompt, greedy_generate
+from flexicache.evaluation.generation import generate, greedy_generate
+from flexicache.evaluation.methods import DenseMethod, FlexiCacheMethod, Method
 from flexicache.evaluation.prompting import middle_truncate, render
-from flexicache.evaluation.runner import Method, PredictionStore, run_tasks
+from flexicache.evaluation.runner import PredictionStore, run_tasks
 from flexicache.evaluation.tasks import Sample, Task
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,8 +30,7 @@ CHAT = "{% for m in messages %}<user>{{ m['content'] }}{% endfor %}{% if add_gen
 
 
 # ----------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def tiny_tokenizer():
+def train_tiny_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level BPE (512 tokens) trained on the CPython docs, with an EOS and a two-marker chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -44,6 +44,19 @@ def tiny_tokenizer():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
     tokenizer.chat_template = CHAT
     return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    return train_tiny_tokenizer()
+
+
+def save_tiny_model(folder: Path) -> Path:
+    """A tiny random Llama and its tokenizer saved to ``folder`` (what ``--model FOLDER`` loads)."""
+    tokenizer = train_tiny_tokenizer()
+    make_model(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def make_model(tokenizer, seed: int = 0):
@@ -181,7 +194,9 @@ def test_synthetic_helpers(smol_tokenizer):
     assert [t.name for t in tasks] == ["passkey_512", "passkey_1024"]
     assert [s.id for s in tasks[0].samples] == ["passkey-512-0", "passkey-512-1"]
     assert tasks[0].samples[0].max_new_tokens == 4
-    assert tasks[0].scorer(f"it is {tasks[0].samples[0].answers[0]}.", tasks[0].samples[0]) == {"string_match_all": 1.0}
+    first = tasks[0].samples[0]
+    assert tasks[0].metric.score([f"it is {first.answers[0]}.", "no"], tasks[0].samples) == {
+        "string_match_all": [1.0, 0.0]}
 
 
 # ----------------------------------------------------------------------------------------------- LongBench
@@ -198,6 +213,16 @@ def test_longbench_loading(longbench_folder, tmp_path):
         longbench.load_local([other])
     with pytest.raises(FileNotFoundError):
         longbench.load_local([tmp_path / "missing.jsonl"])
+    import zipfile  # the benchmark's data.zip layout, read in place
+
+    with zipfile.ZipFile(tmp_path / "data.zip", "w") as archive:
+        for path in sorted((longbench_folder / "data").glob("*.jsonl")):
+            archive.write(path, f"data/{path.name}")
+    zipped = longbench.load_local([tmp_path / "data.zip"])
+    assert zipped.keys() == datasets.keys()
+    assert all(zipped[name].to_list() == datasets[name].to_list() for name in datasets)
+    both = longbench.load_local([longbench_folder, tmp_path / "data.zip"])  # one dataset from two sources
+    assert both["hotpotqa"]["_id"] == ["hotpotqa-0", "hotpotqa-1"] * 2
 
 
 def test_longbench_tasks(longbench_folder, tiny_tokenizer):
@@ -214,8 +239,10 @@ def test_longbench_tasks(longbench_folder, tiny_tokenizer):
     assert samsum[0].stop_at_newline and not hotpot[0].stop_at_newline
     assert [tasks["trec_e"].bucket(s) for s in trec] == ["0-4k", "4-8k"]
     assert tasks["hotpotqa"].bucket is None
-    assert tasks["trec_e"].scorer("Human being\nLocation", trec[0]) == {"classification": 1.0}
-    assert tasks["multifieldqa_zh"].scorer("北京", tasks["multifieldqa_zh"].samples[0]) == {"qa_f1_zh": 1.0}
+    # trec: first line only, against the record's class names
+    assert tasks["trec_e"].metric.score(["Human being\nLocation", "Human being"], trec) == {
+        "classification": [1.0, 0.0]}
+    assert tasks["multifieldqa_zh"].metric.score(["北京"], tasks["multifieldqa_zh"].samples) == {"qa_f1_zh": [1.0]}
     capped = longbench.build_tasks(datasets, tiny_tokenizer, 200, ["samsum"], chat=False, max_new_tokens=16)
     assert capped[0].samples[0].max_new_tokens == 16
 
@@ -268,10 +295,10 @@ def test_leval_tasks(tmp_path, tiny_tokenizer):
     assert all(len(s.input_ids) <= 300 + 4 for s in task.samples)
     prompt = tiny_tokenizer.decode(task.samples[0].input_ids)
     assert "Instruction: Summarize it. The suggested output length is around 5 words.\nOutput: " in prompt
-    assert task.scorer("A summary of the docs.", task.samples[0]) == {"rouge_l": 1.0, "f1": 1.0}
-    assert task.scorer("nothing alike", task.samples[1]) == {"rouge_l": 0.0, "f1": 0.0}
+    assert task.metric.score(["A summary of the docs.", "nothing alike"], task.samples) == {
+        "rouge_l": [1.0, 0.0], "f1": [1.0, 0.0]}
     offline = leval.build_offline_task(tiny_tokenizer, 300, [perplexity.stdlib_file("argparse.py")], limit=1)
-    assert offline.samples[0].answers == [] and offline.scorer("anything", offline.samples[0]) == {}
+    assert offline.samples[0].answers == [] and offline.metric is None
 
 
 # ----------------------------------------------------------------------------------------------- decoding
@@ -279,21 +306,62 @@ def prompt_ids(tokenizer, words: int = 300) -> list[int]:
     return tokenizer(" ".join(synthetic.essay_words()[:words])).input_ids
 
 
-def test_greedy_generate_matches_generate(tiny_tokenizer, tiny_model):
+def fresh(model) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+@pytest.mark.parametrize("decode_tail", [0, 25])
+def test_generate_matches_the_forward_loop_and_plain_generate(tiny_tokenizer, tiny_model, decode_tail):
     ids = prompt_ids(tiny_tokenizer)
-    reference = tiny_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                                    past_key_values=DynamicCache(config=tiny_model.config))[0, len(ids):].tolist()
-    ours = greedy_generate(tiny_model, ids, DynamicCache(config=tiny_model.config), 12, set())
-    tail = greedy_generate(tiny_model, ids, DynamicCache(config=tiny_model.config), 12, set(), decode_tail=25)
-    assert ours == reference == tail
+    reference = tiny_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=[],
+                                    pad_token_id=0, past_key_values=fresh(tiny_model))[0, len(ids):].tolist()
+    (ours,) = generate(tiny_model, [ids], fresh(tiny_model), 12, set(), decode_tail=decode_tail)
+    loop = greedy_generate(tiny_model, ids, fresh(tiny_model), 12, set(), decode_tail=decode_tail)
+    assert ours == loop == reference and len(ours) == 12
 
 
 def test_stop_tokens_and_min_new_tokens(tiny_tokenizer, tiny_model):
     ids = prompt_ids(tiny_tokenizer)
-    first = greedy_generate(tiny_model, ids, DynamicCache(config=tiny_model.config), 5, set())[0]
-    assert greedy_generate(tiny_model, ids, DynamicCache(config=tiny_model.config), 5, {first}) == [first]
-    blocked = greedy_generate(tiny_model, ids, DynamicCache(config=tiny_model.config), 5, {first}, min_new_tokens=1)
-    assert blocked[0] != first
+    free = greedy_generate(tiny_model, ids, fresh(tiny_model), 5, set())
+    first, third = free[0], free[2]
+    for run in (lambda *a, **k: generate(tiny_model, [ids], fresh(tiny_model), *a, **k)[0],
+                lambda *a, **k: greedy_generate(tiny_model, ids, fresh(tiny_model), *a, **k)):
+        assert run(5, {first}) == [first]  # the stop token is kept
+        assert run(5, {third}) == free[:3] or first == third
+        blocked = run(5, {first}, min_new_tokens=1)
+        assert blocked[0] != first
+
+
+def test_stop_strings_end_generation_where_the_text_holds_them(tiny_tokenizer, tiny_model):
+    ids = prompt_ids(tiny_tokenizer)
+    free = greedy_generate(tiny_model, ids, fresh(tiny_model), 8, set())
+    stop = tiny_tokenizer.decode(free[2:4])  # completed by the 4th token (or earlier, if it occurs before)
+    (stopped,) = generate(tiny_model, [ids], fresh(tiny_model), 8, set(), stop_strings=[stop], tokenizer=tiny_tokenizer)
+    assert stopped == free[:len(stopped)] and len(stopped) <= 4 and stop in tiny_tokenizer.decode(stopped)
+    assert stop not in tiny_tokenizer.decode(stopped[:-1])
+    with pytest.raises(ValueError, match="tokenizer"):
+        generate(tiny_model, [ids], fresh(tiny_model), 8, set(), stop_strings=[stop])
+
+
+def test_batch_of_equal_length_prompts_matches_each_prompt_alone(tiny_tokenizer):
+    from flexicache import FlexiCache
+
+    model = make_model(tiny_tokenizer, seed=2).double()  # float64: batched and single rows agree exactly
+    words = synthetic.essay_words()
+    prompts = [tiny_tokenizer(" ".join(words[i:i + 400])).input_ids for i in (0, 1000, 2000)]
+    length = min(map(len, prompts))
+    prompts = [p[:length] for p in prompts]
+    alone = [greedy_generate(model, p, fresh(model), 10, set()) for p in prompts]
+    stop = {alone[1][3]}  # row 1 stops early; the others run on (stop tokens of their own may come earlier)
+    expected = [greedy_generate(model, p, fresh(model), 10, stop) for p in prompts]
+    assert generate(model, prompts, fresh(model), 10, stop) == expected and len(expected[1]) <= 4
+    sparse = [greedy_generate(model, p, FlexiCache.from_model(model, token_budget=64), 10, stop) for p in prompts]
+    assert generate(model, prompts, FlexiCache.from_model(model, token_budget=64), 10, stop, decode_tail=4) == [
+        greedy_generate(model, p, FlexiCache.from_model(model, token_budget=64), 10, stop, decode_tail=4)
+        for p in prompts]
+    assert sparse != expected  # a 64-token budget over ~350 tokens: another model, so the check above is sparse
+    with pytest.raises(ValueError, match="one non-zero length"):
+        generate(model, [prompts[0], prompts[1][:-1]], fresh(model), 4, set())
 
 
 def test_decode_tail_feeds_tokens_one_by_one(tiny_tokenizer, tiny_model):
@@ -302,10 +370,10 @@ def test_decode_tail_feeds_tokens_one_by_one(tiny_tokenizer, tiny_model):
     handle = tiny_model.register_forward_pre_hook(lambda _m, _a, kw: calls.append(kw["input_ids"].shape[1]),
                                                   with_kwargs=True)
     try:
-        feed_prompt(tiny_model, ids, DynamicCache(config=tiny_model.config), decode_tail=3)
+        generate(tiny_model, [ids], fresh(tiny_model), 1, set(), decode_tail=3)
     finally:
         handle.remove()
-    assert calls == [len(ids) - 3, 1, 1, 1]
+    assert calls == [len(ids) - 3, 1, 1, 1]  # the last prompt token is generate's own first forward
 
 
 def test_decode_nll_matches_one_forward(tiny_tokenizer, tiny_model):
@@ -330,17 +398,19 @@ def dense_method(model, name: str = "dense", calls: list | None = None) -> Metho
     return Method(name, make)
 
 
-def length_scorer(prediction: str, _sample: Sample) -> dict[str, float]:
-    """A test scorer that is never 0 on a random model's output, so that ratios are defined."""
-    return {"chars": min(1.0, (len(prediction) + 1) / 100)}
+class LengthMetric:
+    """A test metric that is never 0 on a random model's output, so that ratios are defined."""
+
+    def score(self, predictions, samples) -> dict[str, list[float]]:
+        return {"chars": [min(1.0, (len(p) + 1) / 100) for p in predictions]}
 
 
 def runner_tasks(tokenizer) -> list[Task]:
     ids = prompt_ids(tokenizer, 120)
-    generate = Task("gen", [Sample(id=str(i), input_ids=ids[: 60 + 20 * i], answers=["x"], max_new_tokens=6,
-                                   meta={"length": 60}) for i in range(3)], scorer=length_scorer)
+    gen = Task("gen", [Sample(id=str(i), input_ids=ids[: 60 + 20 * i], answers=["x"], max_new_tokens=6,
+                              meta={"length": 60}) for i in range(3)], metric=LengthMetric())
     ppl = Task("ppl", [Sample(id="a", input_ids=ids[:90], prefill=30)], kind="perplexity")
-    return [generate, ppl]
+    return [gen, ppl]
 
 
 def test_runner_compares_methods_and_resumes(tiny_tokenizer, tiny_model, tmp_path):
@@ -372,6 +442,54 @@ def test_runner_compares_methods_and_resumes(tiny_tokenizer, tiny_model, tmp_pat
     tasks[0].samples.append(Sample(id="3", input_ids=prompt_ids(tiny_tokenizer, 30), max_new_tokens=3))
     run_tasks(tiny_model, tiny_tokenizer, tasks, methods, tmp_path, progress=False)
     assert calls == ["dense", "copy"]
+
+
+def test_runner_batches_equal_length_prompts_like_batch_one(tiny_tokenizer, tmp_path):
+    model = make_model(tiny_tokenizer, seed=3).double()
+    ids = prompt_ids(tiny_tokenizer, 120)
+    samples = [Sample(id=str(i), input_ids=ids[i:i + 60], max_new_tokens=5) for i in range(3)]
+    samples.append(Sample(id="short", input_ids=ids[:40], max_new_tokens=5))
+    task = Task("gen", samples, metric=LengthMetric())
+    one = run_tasks(model, tiny_tokenizer, [task], [DenseMethod(model)], tmp_path / "one", progress=False)
+    two = run_tasks(model, tiny_tokenizer, [task], [DenseMethod(model)], tmp_path / "two", progress=False,
+                    batch_size=2)
+    assert one["tasks"] == two["tasks"]
+    singles, batched = (PredictionStore(tmp_path / name).load("gen", "dense") for name in ("one", "two"))
+    assert {i: r["tokens"] for i, r in singles.items()} == {i: r["tokens"] for i, r in batched.items()}
+    assert [batched[i]["batch_size"] for i in ("0", "1", "2", "short")] == [2, 2, 1, 1]
+
+
+def test_method_objects_and_their_recorded_settings(tiny_tokenizer, tiny_model, tmp_path):
+    from flexicache.evaluation.methods import parse_method, parse_spec
+
+    assert parse_spec("budget=64, page_size=8,group_reduce=sum,cuda_graphs=false") == {
+        "token_budget": 64, "page_size": 8, "group_reduce": "sum", "cuda_graphs": False}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_spec("token_budget")
+    method = parse_method("token_budget=64,page_size=8", tiny_model, {"page_size": 16, "rerank_interval": 4},
+                          lambda name: None, None)
+    assert method.name == "flexicache@64,page_size=8"
+    assert method.settings == {"kind": "flexicache", "profile": None, "token_budget": 64, "page_size": 8,
+                               "rerank_interval": 4}
+    from flexicache import FlexiCache
+
+    assert isinstance(method.make_cache(), FlexiCache)
+    with pytest.raises(ValueError, match="token_budget"):
+        parse_method("page_size=8", tiny_model, {}, lambda name: None, None)
+    loaded = []
+    named = parse_method("budget=64,profile=some/dir/mine.json", tiny_model, {}, loaded.append, None)
+    assert named.name == "flexicache@64,profile=mine" and loaded == ["some/dir/mine.json"]
+    assert named.settings["profile"] == "some/dir/mine.json"  # the full path is what resuming compares
+
+    task = runner_tasks(tiny_tokenizer)[:1]
+    task[0].samples = task[0].samples[:1]
+    methods = [DenseMethod(tiny_model), FlexiCacheMethod(tiny_model, {"token_budget": 64})]
+    run_tasks(tiny_model, tiny_tokenizer, task, methods, tmp_path, progress=False)
+    assert json.loads((tmp_path / "methods.json").read_text()) == {
+        "dense": {"kind": "dense"}, "flexicache@64": {"kind": "flexicache", "profile": None, "token_budget": 64}}
+    other = FlexiCacheMethod(tiny_model, {"token_budget": 64, "page_size": 8}, name="flexicache@64")
+    with pytest.raises(ValueError, match="name this one differently"):  # one name, other settings: refused
+        run_tasks(tiny_model, tiny_tokenizer, task, [DenseMethod(tiny_model), other], tmp_path, progress=False)
 
 
 def test_summary_counts_only_current_samples_and_buckets(tiny_tokenizer, tiny_model, tmp_path, longbench_folder):
@@ -467,9 +585,30 @@ def test_flexicache_with_full_budget_equals_dense(tiny_tokenizer, tmp_path):
 def test_cli_flexicache_sparse_budget(model_dir, tmp_path):
     assert eval_main(eval_args(model_dir, tmp_path, "--suite", "ppl", "--data",
                                str(perplexity.stdlib_file("argparse.py")), "--context-length", "400",
-                               "--prefill", "100", "--budget", "64", "4096")) == 0
+                               "--prefill", "100", "--budget", "64", "4096", "--method", "budget=64,page_size=8")) == 0
     result = json.loads((tmp_path / "metrics.json").read_text())["tasks"]["ppl"]
     assert result["ratio"]["flexicache@4096"] == pytest.approx(1.0, abs=1e-6)
     sparse = result["stats"]["flexicache@64"]  # the cache's own counters, averaged over samples
     assert sparse["dense_kv_bytes"] > 0 and sparse["decode_steps"] > 0 and result["stats"]["dense"] == {}
     assert result["ratio"]["flexicache@64"] != 1.0  # 4 of 25 pages: a different model, a different perplexity
+    assert json.loads((tmp_path / "methods.json").read_text())["flexicache@64,page_size=8"]["page_size"] == 8
+    assert result["ratio"]["flexicache@64,page_size=8"] != result["ratio"]["flexicache@64"]
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float32"  # auto on the CPU
+    with pytest.raises(SystemExit, match="share a name"):
+        eval_main(eval_args(model_dir, tmp_path / "dup", "--suite", "ppl", "--budget", "64", "--method", "budget=64"))
+
+
+def test_cli_stop_strings_and_batches(model_dir, tmp_path):
+    argv = eval_args(model_dir, tmp_path / "free", "--suite", "synthetic", "--tasks", "passkey", "--lengths", "256",
+                     "--limit", "2", "--max-new-tokens", "12")
+    assert eval_main(argv) == 0
+    free = PredictionStore(tmp_path / "free").load("passkey_256", "dense")
+    stop = free["passkey-256-0"]["pred"][4:6]  # two characters of the 1st prediction
+    argv = eval_args(model_dir, tmp_path / "stop", "--suite", "synthetic", "--tasks", "passkey", "--lengths", "256",
+                     "--limit", "2", "--max-new-tokens", "12", "--stop-strings", stop, "--batch-size", "2")
+    assert eval_main(argv) == 0
+    stopped = PredictionStore(tmp_path / "stop").load("passkey_256", "dense")["passkey-256-0"]
+    assert stop in stopped["pred"] and len(stopped["tokens"]) < len(free["passkey-256-0"]["tokens"])
+    assert free["passkey-256-0"]["tokens"][:len(stopped["tokens"])] == stopped["tokens"]
+    with pytest.raises(SystemExit, match="stop_strings"):  # resuming with other stop strings is refused
+        eval_main(argv[:-4] + ["--stop-strings", "x"])

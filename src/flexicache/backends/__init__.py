@@ -63,9 +63,9 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, head_di
     if flashinfer_available():
         return _shared_flashinfer(device)
     if name == "flashinfer":
-        raise ImportError("backend='flashinfer' needs FlashInfer: pip install 'flexicache[cuda]'.")
+        raise ImportError("backend='flashinfer' needs FlashInfer: pip install 'flexicache-kv[cuda]'.")
     warnings.warn("FlashInfer is not installed: FlexiCache decodes with the torch reference backend "
-                  "(slower). pip install 'flexicache[cuda]' for the CUDA kernels.", stacklevel=3)
+                  "(slower). pip install 'flexicache-kv[cuda]' for the CUDA kernels.", stacklevel=3)
     return ReferenceBackend()
 
 

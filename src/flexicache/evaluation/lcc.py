@@ -95,3 +95,10 @@ def build_records(files: Sequence[str | Path], count: int, seed: int = 0, min_wo
     if len(records) < count:
         raise ValueError(f"only {len(records)} of {count} records: give longer files or a smaller min_words")
     return records
+
+
+def as_dataset(records: Sequence[dict[str, Any]]) -> Any:
+    """Records as a ``datasets.Dataset`` (what the LongBench task builder takes)."""
+    import datasets
+
+    return datasets.Dataset.from_list(list(records))

@@ -1,9 +1,10 @@
 """Long generation in the style of L-Eval's open-ended tasks (summaries and long answers, up to 512 new
 tokens, scored with ROUGE-L and token F1), from L-Eval JSONL files or from a reference-free offline set.
 
-L-Eval records hold one long ``input`` document with parallel ``instructions`` and ``outputs`` lists; each
-instruction becomes one sample. The offline set asks for long explanations of standard-library modules: it
-has no references, so only the fidelity to the dense output (measured by the runner) is reported.
+L-Eval records (loaded as ``datasets.Dataset``) hold one long ``input`` document with parallel ``instructions``
+and ``outputs`` lists; each instruction becomes one sample. The offline set asks for long explanations of
+standard-library modules: it has no references, so only the fidelity to the dense output (measured by the runner)
+is reported.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import metrics
-from .longbench import read_jsonl
+from .data import jsonl_files, load_jsonl
 from .perplexity import DEFAULT_STDLIB_FILES, stdlib_file
 from .prompting import middle_truncate, render
+from .scoring import EvaluateMetric
 from .tasks import Sample, Task
 
 SYSTEM = ("Now you are given a very long document. Please follow the instruction after this document. These "
@@ -35,16 +36,6 @@ def build_prompt(document: str, instruction: str, words: int | None = None) -> s
     return f"{SYSTEM}\n\nDocument is as follows. {document}\n\nInstruction: {instruction}{hint}\nOutput: "
 
 
-def _score(prediction: str, sample: Sample) -> dict[str, float]:
-    if not sample.answers:
-        return {}
-    words = metrics.rouge_words(prediction)
-    return {
-        "rouge_l": max(metrics.rouge_l_f1(words, metrics.rouge_words(a)) for a in sample.answers),
-        "f1": max(metrics.qa_f1(prediction, a) for a in sample.answers),
-    }
-
-
 def _document_budget(tokenizer: Any, context_length: int, instruction: str) -> int:
     overhead = len(tokenizer(build_prompt("", instruction, 9999)).input_ids)
     return max(1, context_length - overhead)
@@ -61,19 +52,19 @@ def _sample(tokenizer: Any, sample_id: str, document: str, instruction: str, ans
 def build_tasks(tokenizer: Any, files: Sequence[str | Path], context_length: int, chat: bool = True,
                 limit: int | None = None, max_new_tokens: int = MAX_NEW_TOKENS, length_hint: bool = True
                 ) -> list[Task]:
-    """One task per L-Eval JSONL file (named after it), at most ``limit`` instructions each; documents are
-    middle-truncated so that the prompt fits ``context_length`` tokens."""
+    """One task per L-Eval JSONL file (named after it; zip archives of them work too), at most ``limit``
+    instructions each; documents are middle-truncated so that the prompt fits ``context_length`` tokens."""
     tasks = []
-    for path in map(Path, files):
+    for file in jsonl_files(files):
         samples: list[Sample] = []
-        for r, record in enumerate(read_jsonl(path)):
+        for r, record in enumerate(load_jsonl(file.data_file)):
             for i, (instruction, output) in enumerate(zip(record["instructions"], record["outputs"], strict=True)):
                 if limit is not None and len(samples) >= limit:
                     break
                 answers = output if isinstance(output, list) else [output]
                 samples.append(_sample(tokenizer, f"{r}-{i}", record["input"], instruction, answers,
                                        context_length, chat, max_new_tokens, length_hint))
-        tasks.append(Task(name=path.stem, samples=samples, scorer=_score))
+        tasks.append(Task(name=file.stem, samples=samples, metric=EvaluateMetric("leval")))
     return tasks
 
 
@@ -88,4 +79,4 @@ def build_offline_task(tokenizer: Any, context_length: int, files: Sequence[str 
                 length_hint=False)
         for i, path in enumerate(paths[:limit])
     ]
-    return Task(name="longgen", samples=samples, scorer=_score)
+    return Task(name="longgen", samples=samples)

@@ -1,21 +1,21 @@
 """LongBench (v1) and LongBench-E: prompts, generation lengths, loading, truncation and official scoring.
 
 Records follow the benchmark's schema: ``input, context, answers, length, dataset, language, all_classes,
-_id``. Data comes from a folder with the benchmark's ``data/*.jsonl`` layout, from explicit JSONL files, or
-(online only) from the hub's ``data.zip``.
+_id``. They are loaded as ``datasets.Dataset`` from a folder with the benchmark's ``data/*.jsonl`` layout, from
+JSONL files, from the benchmark's ``data.zip`` archive, or (online only) from the hub's ``data.zip``.
 """
 
 from __future__ import annotations
 
-import json
-import zipfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import metrics
+from .data import jsonl_files, load_jsonl, rows
 from .prompting import middle_truncate, render
+from .scoring import EvaluateMetric
 from .tasks import Sample, Task
 
 _QA_PASSAGES = (
@@ -112,10 +112,11 @@ MAX_NEW_TOKENS: dict[str, int] = {
 
 @dataclass(frozen=True)
 class Metric:
-    """A LongBench metric: its report name and the per-reference function."""
+    """A LongBench metric: its report name, the per-reference function and whether that takes the class names."""
 
     name: str
     fn: Callable[[str, str, Sequence[str]], float]
+    uses_classes: bool = False
 
 
 def _plain(fn: Callable[[str, str], float]) -> Callable[[str, str, Sequence[str]], float]:
@@ -132,8 +133,8 @@ METRICS: dict[str, Metric] = {
     "dureader": Metric("rouge_l_zh", _plain(metrics.longbench_rouge_l_zh)),
     "gov_report": _ROUGE, "qmsum": _ROUGE, "multi_news": _ROUGE,
     "vcsum": Metric("rouge_l_zh", _plain(metrics.longbench_rouge_l_zh)),
-    "trec": Metric("classification", metrics.classification), "triviaqa": _QA_F1, "samsum": _ROUGE,
-    "lsht": Metric("classification", metrics.classification),
+    "trec": Metric("classification", metrics.classification, uses_classes=True), "triviaqa": _QA_F1, "samsum": _ROUGE,
+    "lsht": Metric("classification", metrics.classification, uses_classes=True),
     "passage_count": Metric("count", _plain(metrics.count)),
     "passage_retrieval_en": Metric("retrieval", _plain(metrics.retrieval)),
     "passage_retrieval_zh": Metric("retrieval_zh", _plain(metrics.retrieval_zh)),
@@ -174,53 +175,41 @@ def score(dataset: str, prediction: str, answers: Sequence[str], all_classes: Se
 
 
 # ---------------------------------------------------------------- loading
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a JSONL file (blank lines ignored)."""
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
-
-
-def _dataset_of(path: Path, records: list[dict[str, Any]]) -> str:
-    if base_name(path.stem) in PROMPTS:
-        return path.stem
-    names = {r.get("dataset") for r in records}
+def _dataset_of(stem: str, records: Any) -> str:
+    if base_name(stem) in PROMPTS:
+        return stem
+    names = set(records["dataset"]) if "dataset" in records.column_names else set()
     if len(names) == 1 and base_name(str(next(iter(names)))) in PROMPTS:
         return str(names.pop())
-    raise ValueError(f"{path}: cannot tell the LongBench dataset (file name {path.stem!r}, records say {names})")
+    raise ValueError(f"{stem}.jsonl: cannot tell the LongBench dataset (file name {stem!r}, records say {names}); "
+                     "name the file after the dataset or give its records a 'dataset' field")
 
 
-def load_local(sources: Iterable[str | Path]) -> dict[str, list[dict[str, Any]]]:
-    """Records per dataset name from folders (their ``data/*.jsonl`` or ``*.jsonl``) and JSONL files.
+def load_local(sources: Iterable[str | Path]) -> dict[str, Any]:
+    """A ``datasets.Dataset`` per dataset name from folders (their ``data/*.jsonl`` or ``*.jsonl``), zip
+    archives (the benchmark's ``data.zip``) and JSONL files.
 
-    A file's dataset is its stem when that is a LongBench name (``qasper``, ``qasper_e``), else the
-    records' common ``dataset`` field.
+    A file's dataset is its stem when that is a LongBench name (``qasper``, ``qasper_e``), else the records'
+    common ``dataset`` field; several files of one dataset are concatenated in order.
     """
-    files: list[Path] = []
-    for source in map(Path, sources):
-        if source.is_dir():
-            folder = source / "data" if (source / "data").is_dir() else source
-            files.extend(sorted(folder.glob("*.jsonl")))
-        elif source.is_file():
-            files.append(source)
-        else:
-            raise FileNotFoundError(source)
-    datasets: dict[str, list[dict[str, Any]]] = {}
-    for path in files:
-        records = read_jsonl(path)
-        datasets.setdefault(_dataset_of(path, records), []).extend(records)
-    return datasets
+    import datasets
+
+    parts: dict[str, list[Any]] = {}
+    for file in jsonl_files(sources):
+        records = load_jsonl(file.data_file)
+        parts.setdefault(_dataset_of(file.stem, records), []).append(records)
+    return {name: found[0] if len(found) == 1 else datasets.concatenate_datasets(found)
+            for name, found in parts.items()}
 
 
 def download(dest: str | Path, repo_id: str = DEFAULT_HUB_REPO) -> Path:
-    """Fetch the benchmark's ``data.zip`` from the hub (needs network) and unpack it under ``dest``; returns
-    the folder to give :func:`load_local`. Script-based ``load_dataset`` no longer works (datasets >= 4)."""
+    """Fetch the benchmark's ``data.zip`` from the hub into ``dest`` (needs network; a second call finds it in
+    the cache there) and return its path, for :func:`load_local`. Script-based ``load_dataset`` of the hub
+    dataset no longer works (datasets >= 4)."""
     from huggingface_hub import hf_hub_download
 
-    dest = Path(dest)
-    archive = hf_hub_download(repo_id=repo_id, filename="data.zip", repo_type="dataset", cache_dir=dest / "hub")
-    with zipfile.ZipFile(archive) as bundle:
-        bundle.extractall(dest)
-    return dest
+    archive = hf_hub_download(repo_id=repo_id, filename="data.zip", repo_type="dataset", cache_dir=Path(dest) / "hub")
+    return Path(archive)
 
 
 # ---------------------------------------------------------------- tasks
@@ -230,7 +219,7 @@ def build_prompt(dataset: str, record: Mapping[str, Any]) -> str:
 
 
 def build_tasks(
-    datasets: Mapping[str, list[dict[str, Any]]],
+    datasets: Mapping[str, Any],
     tokenizer: Any,
     max_length: int,
     names: Sequence[str] | None = None,
@@ -238,16 +227,16 @@ def build_tasks(
     limit: int | None = None,
     max_new_tokens: int | None = None,
 ) -> list[Task]:
-    """One task per dataset: prompts middle-truncated to ``max_length`` tokens, then (``chat`` and not a
-    few-shot/code task) wrapped in the chat template. ``max_new_tokens`` caps the benchmark's lengths."""
+    """One task per dataset (a ``datasets.Dataset`` of LongBench records): prompts middle-truncated to
+    ``max_length`` tokens, then (``chat`` and not a few-shot/code task) wrapped in the chat template.
+    ``max_new_tokens`` caps the benchmark's lengths."""
     tasks = []
     for dataset in names or sorted(datasets):
         if dataset not in datasets:
             raise KeyError(f"no data for {dataset!r}; have {sorted(datasets)}")
         name = base_name(dataset)
-        metric = METRICS[name]
         samples = []
-        for index, record in enumerate(datasets[dataset][:limit]):
+        for index, record in enumerate(rows(datasets[dataset], limit)):
             prompt = middle_truncate(tokenizer, build_prompt(dataset, record), max_length)
             samples.append(Sample(
                 id=str(record.get("_id") or index),
@@ -259,9 +248,7 @@ def build_tasks(
                       "language": record.get("language")},
             ))
 
-        def scorer(prediction: str, sample: Sample, dataset: str = dataset, metric: Metric = metric) -> dict:
-            return {metric.name: score(dataset, prediction, sample.answers, sample.meta["all_classes"])}
-
+        metric = EvaluateMetric("longbench", dataset, ("all_classes",) if METRICS[name].uses_classes else ())
         bucket = (lambda s: length_bucket(int(s.meta["length"]))) if dataset.endswith("_e") else None
-        tasks.append(Task(name=dataset, samples=samples, scorer=scorer, bucket=bucket))
+        tasks.append(Task(name=dataset, samples=samples, metric=metric, bucket=bucket))
     return tasks

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .generation import forward
+from .generation import as_input, forward
 from .tasks import Sample, Task
 
 # Long, plain-text-like standard-library sources: present on every CPython install.
@@ -32,12 +32,12 @@ def decode_nll(model: Any, ids: Sequence[int], cache: Any, prefill: int) -> tupl
     """
     if not 1 <= prefill < len(ids):
         raise ValueError(f"prefill must be in [1, {len(ids) - 1}], got {prefill}")
-    logits = forward(model, ids[:prefill], cache)[-1]
+    logits = forward(model, as_input(model, [ids[:prefill]]), cache)[0]
     total = 0.0
     for position in range(prefill, len(ids)):
         total -= float(torch.log_softmax(logits, dim=-1)[ids[position]])
         if position + 1 < len(ids):
-            logits = forward(model, [ids[position]], cache)[-1]
+            logits = forward(model, as_input(model, [[ids[position]]]), cache)[0]
     return total, len(ids) - prefill
 
 

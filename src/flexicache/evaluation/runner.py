@@ -1,7 +1,8 @@
-"""Runs tasks under several caches, stores predictions (resumable) and summarises them against dense.
+"""Runs tasks under several methods (caches), stores predictions (resumable) and summarises them against dense.
 
 Layout of a results folder::
 
+    methods.json                        each method's settings, by name (a name keeps its settings)
     predictions/<task>/<method>.jsonl   one record per sample, appended as soon as it is done
     metrics.json                        per task: scores, ratio to dense, fidelity, LongBench-E buckets, stats
     table.md                            the printed table
@@ -13,25 +14,17 @@ import json
 import math
 import numbers
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from . import metrics
-from .generation import greedy_generate, newline_token, stop_tokens
+from .generation import generate, newline_token, stop_tokens
+from .methods import REFERENCE, CacheMethod, Method
 from .perplexity import decode_nll, perplexity
 from .tasks import Sample, Task
 
-REFERENCE = "dense"
-
-
-@dataclass
-class Method:
-    """A named way to make a fresh cache for one sample (``dense``: a DynamicCache)."""
-
-    name: str
-    make_cache: Callable[[], Any]
+__all__ = ["Method", "PredictionStore", "format_table", "run_tasks", "summarize"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -51,10 +44,25 @@ def cache_stats(cache: Any) -> dict[str, Any]:
 
 
 class PredictionStore:
-    """Append-only JSONL prediction files, one per (task, method)."""
+    """Append-only JSONL prediction files, one per (task, method), and the methods' settings."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root) / "predictions"
+        self.methods_file = Path(root) / "methods.json"
+
+    def check_methods(self, methods: Sequence[CacheMethod]) -> None:
+        """Record each method's settings; refuse a method whose name was stored with other settings."""
+        stored = json.loads(self.methods_file.read_text(encoding="utf-8")) if self.methods_file.exists() else {}
+        for method in methods:
+            settings = _jsonable(method.settings)
+            if settings is not None and stored.get(method.name, settings) != settings:
+                raise ValueError(f"{self.methods_file.parent} holds predictions of a method {method.name!r} with "
+                                 f"settings {stored[method.name]}, not {settings}; name this one differently or "
+                                 "use another results folder")
+            if settings is not None:
+                stored[method.name] = settings
+        self.methods_file.parent.mkdir(parents=True, exist_ok=True)
+        self.methods_file.write_text(json.dumps(stored, indent=2) + "\n", encoding="utf-8")
 
     def path(self, task: str, method: str) -> Path:
         return self.root / task / f"{method}.jsonl"
@@ -79,41 +87,69 @@ class PredictionStore:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def run_sample(model: Any, tokenizer: Any, task: Task, sample: Sample, method: Method, decode_tail: int,
-               stop_ids: set[int], newline: int) -> dict[str, Any]:
-    """Run one sample under one method; returns its prediction record."""
+def run_batch(model: Any, tokenizer: Any, task: Task, samples: Sequence[Sample], method: CacheMethod,
+              decode_tail: int, stop_ids: set[int], newline: int) -> list[dict[str, Any]]:
+    """Run samples (one, or several generation samples of one prompt length and stopping rule) under one
+    method, in one cache; returns their prediction records (``seconds`` and ``stats`` are the batch's)."""
     cache = method.make_cache()
     start = time.perf_counter()
-    record: dict[str, Any] = {"_id": sample.id, "prompt_tokens": len(sample.input_ids)}
+    records: list[dict[str, Any]] = [{"_id": s.id, "prompt_tokens": len(s.input_ids)} for s in samples]
     if task.kind == "perplexity":
+        (sample,), (record,) = samples, records
         nll, count = decode_nll(model, sample.input_ids, cache, sample.prefill)
         record.update(nll=nll, scored_tokens=count, ppl=perplexity(nll, count))
     else:
-        stops = stop_ids | {newline} if sample.stop_at_newline else stop_ids
-        tokens = greedy_generate(model, sample.input_ids, cache, sample.max_new_tokens, stops,
-                                 min_new_tokens=1 if sample.stop_at_newline else 0, decode_tail=decode_tail)
-        record.update(pred=tokenizer.decode(tokens, skip_special_tokens=True), tokens=tokens,
-                      answers=sample.answers, **{k: v for k, v in sample.meta.items() if k in ("length",)})
-    record["seconds"] = round(time.perf_counter() - start, 3)
-    record["stats"] = cache_stats(cache)
-    return record
+        first = samples[0]
+        outputs = generate(model, [s.input_ids for s in samples], cache, first.max_new_tokens,
+                           stop_ids | {newline} if first.stop_at_newline else stop_ids,
+                           min_new_tokens=1 if first.stop_at_newline else 0, decode_tail=decode_tail,
+                           stop_strings=first.stop_strings, tokenizer=tokenizer)
+        for sample, record, tokens in zip(samples, records, outputs, strict=True):
+            record.update(pred=tokenizer.decode(tokens, skip_special_tokens=True), tokens=tokens,
+                          answers=sample.answers, **{k: v for k, v in sample.meta.items() if k in ("length",)})
+    seconds, stats = round(time.perf_counter() - start, 3), cache_stats(cache)
+    for record in records:
+        record.update(batch_size=len(samples), seconds=seconds, stats=stats)
+    return records
 
 
-def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[Task], methods: Sequence[Method], out_dir: str | Path,
-              decode_tail: int = 0, progress: bool = True) -> dict[str, Any]:
+def batches(task: Task, samples: Sequence[Sample], batch_size: int) -> Iterator[list[Sample]]:
+    """``samples`` in batches of at most ``batch_size`` that share a prompt length and a stopping rule: each batch
+    as soon as it is full, the partial ones at the end (generation tasks only; a perplexity sample runs alone)."""
+    if task.kind == "perplexity" or batch_size <= 1:
+        yield from ([sample] for sample in samples)
+        return
+    groups: dict[tuple, list[Sample]] = {}
+    for sample in samples:
+        key = (len(sample.input_ids), sample.max_new_tokens, sample.stop_at_newline, sample.stop_strings)
+        group = groups.setdefault(key, [])
+        group.append(sample)
+        if len(group) == batch_size:
+            yield groups.pop(key)
+    yield from groups.values()
+
+
+def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[Task], methods: Sequence[CacheMethod],
+              out_dir: str | Path, decode_tail: int = 0, progress: bool = True, batch_size: int = 1
+              ) -> dict[str, Any]:
     """Predict every (task, sample, method) not already stored, then summarise; writes metrics.json and
-    table.md and returns the summary."""
+    table.md and returns the summary. ``batch_size`` > 1 generates equal-length prompts of a task together
+    (faster on a GPU; a row's tokens may then differ from a batch of one by floating-point rounding)."""
     from tqdm.auto import tqdm
 
     store = PredictionStore(out_dir)
+    store.check_methods(methods)
     stop_ids, newline = stop_tokens(model, tokenizer), newline_token(tokenizer)
     for task in tasks:
         done = {m.name: set(store.load(task.name, m.name)) for m in methods}
-        for sample in tqdm(task.samples, desc=task.name, disable=not progress, unit="sample"):
-            for method in methods:
-                if sample.id not in done[method.name]:
-                    record = run_sample(model, tokenizer, task, sample, method, decode_tail, stop_ids, newline)
-                    store.append(task.name, method.name, record)
+        with tqdm(total=len(task.samples), desc=task.name, disable=not progress, unit="sample") as bar:
+            for batch in batches(task, task.samples, batch_size):
+                for method in methods:
+                    todo = [sample for sample in batch if sample.id not in done[method.name]]
+                    if todo:
+                        for record in run_batch(model, tokenizer, task, todo, method, decode_tail, stop_ids, newline):
+                            store.append(task.name, method.name, record)
+                bar.update(len(batch))
     names = [m.name for m in methods]
     summary = summarize(tasks, {t.name: {m: store.load(t.name, m) for m in names} for t in tasks}, names)
     out = Path(out_dir)
@@ -133,7 +169,12 @@ def _ratio(value: float | None, reference: float | None) -> float | None:
 
 
 def _sample_scores(task: Task, samples: Mapping[str, Sample], records: Mapping[str, dict]) -> dict[str, dict]:
-    return {i: task.scorer(r["pred"], samples[i]) for i, r in records.items()} if task.scorer else {}
+    """{sample id: {metric name: score in [0, 1]}} ({} for a task without a metric)."""
+    if task.metric is None or not records:
+        return {}
+    ids = list(records)
+    by_name = task.metric.score([records[i]["pred"] for i in ids], [samples[i] for i in ids])
+    return {i: {name: values[k] for name, values in by_name.items()} for k, i in enumerate(ids)}
 
 
 def _stats_means(records: Iterable[dict]) -> dict[str, float]:

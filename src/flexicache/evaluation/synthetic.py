@@ -4,7 +4,7 @@ Passkey retrieval (Landmark-attention style) and RULER-style tasks: needle-in-a-
 multi-key, multi-value, multi-query), variable tracking, common- and frequent-word extraction. Templates
 and answer prefixes follow RULER; its Paul Graham essays are replaced by the Python documentation that
 ships with CPython (``pydoc_data``), so nothing is downloaded. Everything is seeded: the same arguments
-give the same prompts. Scoring is RULER's string match (all references, or any for ``part``).
+give the same prompts. Scoring is RULER's string_match_all (the package's ``ruler`` evaluate module).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import metrics
 from .prompting import render
+from .scoring import EvaluateMetric
 from .tasks import Sample, Task
 
 NOISE_SENTENCES = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
@@ -297,19 +297,16 @@ def build_sample(task: str, tokenizer: Any, target: int, seed: int, index: int, 
     return sample
 
 
-def _score(prediction: str, sample: Sample) -> dict[str, float]:
-    return {"string_match_all": metrics.string_match_all(prediction, sample.answers)}
-
-
 def build_tasks(tokenizer: Any, names: Sequence[str], lengths: Sequence[int], samples: int, seed: int = 0,
                 chat: bool = False, max_new_tokens: int | None = None) -> list[Task]:
     """One task per (name, length), named ``{name}_{length}``, with ``samples`` seeded samples each."""
+    metric = EvaluateMetric("ruler", "string_match_all")
     tasks = []
     for name in names:
         for length in lengths:
             items = [build_sample(name, tokenizer, length, seed, i, samples, chat) for i in range(samples)]
             for item in items:
                 item.max_new_tokens = min(item.max_new_tokens, max_new_tokens or item.max_new_tokens)
-            tasks.append(Task(name=f"{name}_{length}", samples=items, scorer=_score))
+            tasks.append(Task(name=f"{name}_{length}", samples=items, metric=metric))
     return tasks
 

@@ -3,9 +3,9 @@ with one way to score them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 
 @dataclass
@@ -15,7 +15,8 @@ class Sample:
     ``input_ids`` is the full model input (chat template and answer prefix included); ``answers`` the
     references (empty for reference-free tasks); ``meta`` holds what scoring or reporting needs
     (LongBench's ``length``, ``all_classes``, ...). ``stop_at_newline`` adds the newline token to the stop
-    tokens and forbids stopping at the first step (LongBench's samsum rule). For a perplexity task
+    tokens and forbids stopping at the first step (LongBench's samsum rule); generation also ends once the
+    text holds one of ``stop_strings`` (the string is kept, like a stop token). For a perplexity task
     ``input_ids`` is the text and ``prefill`` the number of tokens given in one dense forward.
     """
 
@@ -24,23 +25,29 @@ class Sample:
     answers: list[str] = field(default_factory=list)
     max_new_tokens: int = 0
     stop_at_newline: bool = False
+    stop_strings: tuple[str, ...] = ()
     prefill: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-Scorer = Callable[[str, Sample], dict[str, float]]
-"""Maps (prediction, sample) to named scores in [0, 1]; the first name is the task's headline metric."""
+class TaskMetric(Protocol):
+    """How a task is scored (``scoring.EvaluateMetric`` for the benchmarks)."""
+
+    def score(self, predictions: Sequence[str], samples: Sequence[Sample]) -> dict[str, list[float]]:
+        """Per-sample scores in [0, 1] by metric name; the first name is the task's headline metric."""
+        ...
 
 
 @dataclass
 class Task:
     """A named list of samples. ``kind`` is "generate" (score the decoded text) or "perplexity".
 
-    ``bucket`` (optional) names the length bucket of a sample (LongBench-E).
+    ``metric`` is None for reference-free tasks (only the fidelity to dense is reported); ``bucket`` (optional)
+    names the length bucket of a sample (LongBench-E).
     """
 
     name: str
     samples: list[Sample]
-    scorer: Scorer | None = None
+    metric: TaskMetric | None = None
     kind: Literal["generate", "perplexity"] = "generate"
     bucket: Callable[[Sample], str] | None = None

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from flexicache.cli import DTYPE_HELP, DTYPES, resolve_device, resolve_dtype
 from flexicache.models import SMOLLM2, SMOLLM2_GGUF, load_model
 from flexicache.profiling.data import SYNTHETIC_TASKS, describe, load_samples
 from flexicache.profiling.measure import MeasureSettings
@@ -49,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--attention-mass", action="store_true", help="also rank pages by true attention mass and compare")
     add("--allow-eos", action="store_true", help="let greedy decoding emit EOS (default: banned, to decode long)")
     add("--batch-size", type=int, default=1, help="samples decoded together (equal prompt lengths only)")
-    add("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
+    add("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     add("--threads", type=int, default=None,
         help="CPU threads for torch (default: torch's choice; 1 is fastest on a CPU shared with other jobs)")
     add("--seed", type=int, default=0, help="seed of the synthetic data")
@@ -79,6 +80,8 @@ def _load(args: argparse.Namespace) -> tuple[torch.nn.Module, object]:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.device = resolve_device(args.device)
+    args.dtype = resolve_dtype(args.dtype, args.device)  # the recorded command names the dtype it ran in
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = _load(args)

@@ -1,0 +1,133 @@
+"""The rows of an accuracy table: each method builds a fresh cache for one sample (or one batch of samples).
+
+``DenseMethod`` (a DynamicCache: the reference) and ``FlexiCacheMethod`` (FlexiCache with given settings) are
+the built-in kinds; ``Method`` wraps any cache factory. A method's ``name`` keys its stored predictions and its
+``settings`` (JSON) are recorded beside them, so a results folder resumes per (method, sample) and refuses to
+mix two methods of one name. ``parse_method`` turns a command-line spec such as ``token_budget=256,page_size=8``
+into a ``FlexiCacheMethod``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+REFERENCE = "dense"
+
+
+class CacheMethod(Protocol):
+    """What the runner needs of a method."""
+
+    name: str
+
+    def make_cache(self) -> Any:
+        """A fresh, empty cache."""
+        ...
+
+    @property
+    def settings(self) -> dict[str, Any] | None:
+        """JSON settings that identify the method (None: not recorded, so not checked on resume)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Method:
+    """A named cache factory, e.g. ``Method("dense", lambda: DynamicCache(config=model.config))``."""
+
+    name: str
+    make_cache: Callable[[], Any]
+    settings: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class DenseMethod:
+    """A ``DynamicCache`` for ``model``: dense attention, the reference every other method is compared to."""
+
+    model: Any
+    name: str = REFERENCE
+
+    def make_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {"kind": "dense"}
+
+
+@dataclass(frozen=True, eq=False)
+class FlexiCacheMethod:
+    """``FlexiCache.from_model(model, profile=profile, **options)``.
+
+    ``options`` are FlexiCache settings (``token_budget``, ``page_size``, ``rerank_interval``, ``group_reduce``,
+    ...); ``profile_name`` says where ``profile`` came from (a path, a shipped profile's name; None:
+    ``HeadProfile.default``). The name defaults to ``flexicache@<token_budget>``.
+    """
+
+    model: Any
+    options: Mapping[str, Any]
+    profile: Any = None
+    profile_name: str | None = None
+    name: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if "token_budget" not in self.options:
+            raise ValueError(f"a FlexiCache method needs a token_budget, got options {dict(self.options)}")
+        if not self.name:
+            object.__setattr__(self, "name", f"flexicache@{self.options['token_budget']}")
+
+    def make_cache(self) -> Any:
+        from flexicache import FlexiCache
+
+        return FlexiCache.from_model(self.model, profile=self.profile, **self.options)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {"kind": "flexicache", "profile": self.profile_name, **self.options}
+
+
+def parse_value(text: str) -> Any:
+    """A spec value: an int, a float, true/false, none, else the string itself."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_spec(spec: str) -> dict[str, Any]:
+    """``"token_budget=256,page_size=8"`` -> ``{"token_budget": 256, "page_size": 8}`` (``budget`` means
+    ``token_budget``)."""
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"method spec {spec!r}: {item!r} is not key=value (e.g. token_budget=256,page_size=8)")
+        options["token_budget" if key == "budget" else key] = parse_value(value)
+    return options
+
+
+def parse_method(spec: str, model: Any, defaults: Mapping[str, Any], load_profile: Callable[[str | None], Any],
+                 default_profile: str | None) -> FlexiCacheMethod:
+    """A ``FlexiCacheMethod`` from a spec (see :func:`parse_spec`), named ``flexicache@<budget>`` followed by the
+    spec's other settings (``flexicache@256,page_size=8``; a profile by its file's stem: two profiles of one stem
+    are refused on resume). ``defaults`` fill the settings the spec leaves out;
+    ``profile=PATH`` in the spec picks another profile than ``default_profile``; ``load_profile`` reads one."""
+    options = parse_spec(spec)
+    named = {k: v for k, v in options.items() if k != "token_budget"}
+    profile_name = options.pop("profile", default_profile)
+    if "token_budget" not in options:
+        raise ValueError(f"method spec {spec!r} has no token_budget (e.g. token_budget=256,page_size=8)")
+    if "profile" in named:  # a name is a file name: a profile path is named by its file's stem
+        named["profile"] = Path(str(named["profile"])).stem
+    name = f"flexicache@{options['token_budget']}" + "".join(f",{k}={v}" for k, v in named.items())
+    return FlexiCacheMethod(model, {**defaults, **options}, load_profile(profile_name), profile_name, name)
