@@ -6,7 +6,8 @@ Builds one Llama-3.1-8B-shaped attention layer (8 KV heads, group 4, head dim 12
 on that state, each from a CUDA graph of 20 launches (launch overhead excluded, as in a whole-step graph):
 
 - the unstable rows' page scoring (``_score_pages_kernel``) per pages-per-program block and warp count;
-- the selection + page list (``_decode_table_kernel``) per warp count;
+- the selection + page list (``_decode_table_kernel``) per ``TABLE_WARPS`` (the warps launched are
+  :func:`~flexicache.backends.triton_select.selection_warps`'s, which caps them by the row length);
 - the per-layer copy of the step's token and query into the layer's static buffers (``DecodeGraph.load``);
 - FlashInfer's sparse decode with the CUDA-core and the tensor-core kernel on the same page list, then on random
   pools per GQA group and row count (:func:`flashinfer_shapes`).
@@ -22,6 +23,7 @@ import json
 from collections.abc import Callable
 
 import torch
+import triton
 
 from flexicache import FlexiCache, attention
 from flexicache.backends import triton_select
@@ -104,17 +106,24 @@ def main() -> None:
     args = parser.parse_args()
     cache = warm_layer(args.context, args.batch, steps=40)
     layer = cache.layers[0]
-    graph, planned = layer.graph, layer.backend._current
+    graphed, storage, settings = layer.graphed, layer.storage, layer.settings
+    graph = graphed.graph
     query = graph.query
-    inputs = layer._table_inputs(graph.query, layer.step_inputs[layer.device].num_tokens)
+    # The last step's layout and plan: the same objects its launch used, so prepare() returns that plan as it is.
+    layout = cache.sequence.last_plan.decode_layout(storage.num_kv_heads, settings.pages_per_head)
+    planned = layer.backend.prepare(layout, query.shape[1], storage.head_dim, settings.page_size,
+                                    settings.pages_per_head, storage.dtype, graphed.scale)
+    inputs = graphed.table_inputs(graph.query, layer.step_inputs[layer.device].num_tokens)
     scores = graph.scores
+    block_scores = triton.next_power_of_2(max(inputs.kmin.shape[2], 16))  # as triton_select.list_pages sizes it
     results: dict[str, object] = {"context": args.context, "batch": args.batch, "gpu": torch.cuda.get_device_name(),
                                   "meta_capacity": inputs.kmin.shape[2], "score": {}, "table": {}}
     defaults = (triton_select.SCORE_BLOCK, triton_select.SCORE_WARPS, triton_select.TABLE_WARPS)
 
     triton_select.score_unstable_pages(inputs, scores)
     reference_scores = scores.clone()
-    pages = (inputs.num_tokens.repeat_interleave(inputs.unstable_heads.numel()) + 15) // 16  # [B * hu] pages per row
+    tokens_per_row = inputs.num_tokens.repeat_interleave(inputs.unstable_heads.numel())  # [B * hu]
+    pages = (tokens_per_row + inputs.page_size - 1) // inputs.page_size
     written = torch.arange(scores.shape[1], device=scores.device) < pages.unsqueeze(1)  # columns a row's scores fill
     for block in (32, 64, 128):
         for warps in (2, 4, 8):
@@ -132,37 +141,36 @@ def main() -> None:
     reference_indices = planned.indices.clone()
     for warps in (4, 8, 16):
         triton_select.TABLE_WARPS = warps
+        launched = triton_select.selection_warps(block_scores)  # TABLE_WARPS, within the bounds it applies to
         planned.indices.fill_(-7)
         triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)
         same = bool(torch.equal(planned.indices[:-1], reference_indices[:-1]))
         us = graph_us(lambda: triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr))
-        results["table"][f"warps{warps}"] = {"us": us, "same_pages": same}
-        print(f"table warps {warps:2d}: {us:7.2f} us  same {same}", flush=True)
+        results["table"][f"warps{warps}"] = {"us": us, "same_pages": same, "launched_warps": launched}
+        print(f"table warps {warps:2d} (launched {launched:2d}): {us:7.2f} us  same {same}", flush=True)
     triton_select.TABLE_WARPS = defaults[2]
     triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)
 
-    token = torch.randn(args.batch, layer.num_kv_heads, 1, layer.head_dim, dtype=layer.dtype, device="cuda")
-    full_query = torch.randn(args.batch, query.shape[0] // args.batch * query.shape[1], 1, layer.head_dim,
-                             dtype=layer.dtype, device="cuda")
+    token = torch.randn(args.batch, storage.num_kv_heads, 1, storage.head_dim, dtype=storage.dtype, device="cuda")
+    full_query = torch.randn(args.batch, query.shape[0] // args.batch * query.shape[1], 1, storage.head_dim,
+                             dtype=storage.dtype, device="cuda")
     rows_query = full_query.reshape(query.shape)
     results["load_us"] = graph_us(lambda: graph.load(token[:, :, 0], token[:, :, 0], rows_query))
     print(f"DecodeGraph.load: {results['load_us']:.2f} us", flush=True)
-    pool_k, pool_v = layer.pool.k, layer.pool.v
-    layout = layer._decode_layout(layer.plan)
+    pool_k, pool_v = storage.pool.k, storage.pool.v
     outputs = {}
     results["flashinfer"] = {}
     for name, tensor_cores in (("cuda_core", False), ("tensor_core", True)):  # on the layer's own page list
         kernel = FlashInferBackend(layer.device, use_tensor_cores=tensor_cores).prepare(
-            layout, query.shape[1], layer.head_dim, layer.settings.page_size, layer.settings.pages_per_head,
-            layer.dtype, layer.scale)
+            layout, query.shape[1], storage.head_dim, settings.page_size, settings.pages_per_head, storage.dtype,
+            graphed.scale)
         kernel.indices.copy_(planned.indices)
         outputs[name] = FlashInferBackend.run_prepared(kernel, query, pool_k, pool_v).float()
         results["flashinfer"][f"{name}_us"] = graph_us(functools.partial(
             FlashInferBackend.run_prepared, kernel, query, pool_k, pool_v, out=graph.output))
     results["flashinfer"]["max_abs_difference"] = float((outputs["cuda_core"] - outputs["tensor_core"]).abs().max())
     print(f"flashinfer: {results['flashinfer']}", flush=True)
-    results["flashinfer_shapes"] = flashinfer_shapes(layer.settings.page_size, layer.settings.pages_per_head,
-                                                     layer.head_dim)
+    results["flashinfer_shapes"] = flashinfer_shapes(settings.page_size, settings.pages_per_head, storage.head_dim)
 
     if args.out:
         with open(args.out, "w") as handle:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flexicache import FlexiCache, attention
+from flexicache import FlexiCache, handoff
 from flexicache.benchmarks.attention import Shape, random_profile
 from flexicache.benchmarks.suite import empty_pinned_cache
 from flexicache.host_memory import pinned_zeros
@@ -68,7 +68,7 @@ def chunked_prefill(cache: FlexiCache, keys: torch.Tensor, values: torch.Tensor,
     def run_chunk(start: int) -> None:
         for index, layer in enumerate(cache.layers):
             layer.update(keys[:, :, start:start + chunk], values[:, :, start:start + chunk])
-            layer.commit(attention._take(index), query, None)
+            layer.commit(handoff.take(index), query, None)
 
     for start in starts[:-1]:
         _, ms = timed(lambda start=start: run_chunk(start))
@@ -103,7 +103,7 @@ def main() -> None:
     def prefill(index: int) -> None:
         layer = cache.layers[index]
         layer.update(keys, values)
-        layer.commit(attention._take(index), query, None)
+        layer.commit(handoff.take(index), query, None)
 
     if args.chunk:
         chunked_prefill(cache, keys, values, query, args.chunk)

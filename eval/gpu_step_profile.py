@@ -3,9 +3,10 @@
 Builds FlexiCache over ``--layers`` Llama-3.1-8B-shaped attention layers (8 KV heads, group 4, head dim 128, random
 KV of ``--context`` tokens, batch ``--batch``, budget 1024, 25% unstable heads), runs decode steps as
 ``flexicache.benchmarks.attention`` does with ``step_graph=True``, and prints: the step's wall time, its host-issue
-time, the times of the cache's per-step bookkeeping (``begin_graphed_step`` where a step records or follows other work,
-else ``prepare_replay`` before the replay and ``finish_replay`` after it) and of the replayed graph alone on the
-GPU; then a torch-profiler table of the kernels (``cuda_time_total``) and a cProfile of the host side.
+time, the times of the per-step bookkeeping of the cache's :class:`~flexicache.step_graph.StepGraphStore`
+(``cache.step_graphs``: ``begin`` where a step records or follows other work, else ``prepare_replay`` before the
+replay and ``finish_replay`` after it) and of the replayed graph alone on the GPU; then a torch-profiler table of the
+kernels (``cuda_time_total``) and a cProfile of the host side.
 
 Usage: ``python eval/gpu_step_profile.py [--layers 16] [--context 32768] [--batch 8]``
 """
@@ -25,6 +26,8 @@ from torch.profiler import ProfilerActivity, profile
 from flexicache import attention
 from flexicache.benchmarks.attention import Module, Shape, prefilled_cache
 from flexicache.step_graph import run_graphed_step
+
+BOOKKEEPING = ("begin", "prepare_replay", "finish_replay")  # StepGraphStore methods timed per call
 
 
 def main() -> None:
@@ -46,7 +49,7 @@ def main() -> None:
 
     def step() -> None:
         inputs = {"keys": token, "values": token, "query": query}
-        if cache.graphed_step_ready():
+        if cache.step_graphs.disabled is None and cache.step_graphs.ready():
             run_graphed_step(cache, ("attention layers",), inputs, layers)
         else:
             layers(inputs)
@@ -56,7 +59,7 @@ def main() -> None:
     torch.cuda.synchronize()
     bookkeeping_ms: dict[str, list[float]] = {}
 
-    def timed(name: str, work):  # the cache's bookkeeping methods, each call timed on the host
+    def timed(name: str, work):  # the step-graph store's bookkeeping methods, each call timed on the host
         def run(*args):
             start = time.perf_counter()
             result = work(*args)
@@ -64,10 +67,10 @@ def main() -> None:
             return result
         return run
 
-    names = ("begin_graphed_step", "prepare_replay", "finish_replay")
-    originals = {name: getattr(cache, name) for name in names}
-    for name in names:
-        setattr(cache, name, timed(name, originals[name]))
+    store = cache.step_graphs
+    originals = {name: getattr(store, name) for name in BOOKKEEPING}
+    for name in BOOKKEEPING:
+        setattr(store, name, timed(name, originals[name]))
     host_ms, wall_ms = [], []
     for _ in range(64):
         start = time.perf_counter()
@@ -76,17 +79,17 @@ def main() -> None:
         torch.cuda.synchronize()
         host_ms.append(1000 * (issued - start))
         wall_ms.append(1000 * (time.perf_counter() - start))
-    for name in names:
-        delattr(cache, name)
+    for name in BOOKKEEPING:
+        delattr(store, name)
     median = statistics.median
     print(f"layers {args.layers}: step wall ms p50 {median(wall_ms):.3f}, host issue p50 {median(host_ms):.3f}")
-    for name in names:  # prepare_replay precedes the replay, finish_replay follows it (overlapping the GPU)
+    for name in BOOKKEEPING:  # prepare_replay precedes the replay, finish_replay follows it (overlapping the GPU)
         if name in bookkeeping_ms:
             times = bookkeeping_ms[name]
             print(f"  {name}: {len(times)} calls, p50 {median(times):.3f} ms "
                   f"({1000 * median(times) / args.layers:.1f} us/layer)")
     # Replaying one recorded step out of sequence repeats its writes (a token, counters): fine for timing only.
-    recorded = next(iter(cache.step_graphs.steps.values()))
+    recorded = next(iter(store.steps.values()))
     start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start_event.record()
     for _ in range(20):

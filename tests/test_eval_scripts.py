@@ -1,14 +1,17 @@
-"""The GPU profiling scripts under eval/ still import and parse their arguments on a machine without CUDA
-(eval/begin_step_host_time.py runs whole in tests/test_step_graph.py)."""
+"""The GPU profiling scripts under eval/ still import and parse their arguments on a machine without CUDA, and the
+cache internals they reach exist (eval/begin_step_host_time.py runs whole in tests/test_step_graph.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+import torch
 
 EVAL = Path(__file__).resolve().parents[1] / "eval"
 
@@ -33,3 +36,48 @@ def test_repeatability_check_runs_on_the_cpu() -> None:
     out = run_script("gpu_repeatability.py", "--device", "cpu", "--repeats", "1", "--new-tokens", "3",
                      "--prompt-tokens", "40")
     assert "dynamic: 1 of 1 repeats bit-identical" in out and "flexicache-eager: 1 of 1 repeats bit-identical" in out
+
+
+def load_script(name: str) -> ModuleType:
+    """An eval/ script imported as a module (its ``main`` not run)."""
+    spec = importlib.util.spec_from_file_location(Path(name).stem, EVAL / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_scripts_reach_internals_that_exist() -> None:
+    """What eval/gpu_step_profile.py and eval/gpu_kernel_sweep.py reach inside a cache, reached on a CPU cache after
+    a prefill and a decode step: a rename there fails here, not only on a GPU host."""
+    pytest.importorskip("triton")
+    from flexicache import FlexiCache, attention, handoff
+    from flexicache.backends import triton_select
+    from flexicache.benchmarks.attention import Module, Shape, random_profile
+    from flexicache.decode_paths import GraphedDecode
+
+    shape = Shape(num_layers=1, num_kv_heads=2, group=2, head_dim=16)
+    cache = FlexiCache(shape.config(), profile=random_profile(shape, 0.5), token_budget=32)
+    layer, module = cache.layers[0], Module(0, shape)
+    keys = torch.randn(1, shape.num_kv_heads, 40, shape.head_dim)
+    layer.update(keys, keys)
+    layer.commit(handoff.take(0), torch.randn(1, 4, 1, shape.head_dim), None)
+    token = torch.randn(1, shape.num_kv_heads, 1, shape.head_dim)
+    out_keys, out_values = layer.update(token, token)
+    attention.flexicache_attention_forward(module, torch.randn(1, 4, 1, shape.head_dim), out_keys, out_values, None,
+                                           scaling=module.scaling)
+
+    store = cache.step_graphs  # gpu_step_profile.py times these methods by name
+    assert all(callable(getattr(store, name)) for name in load_script("gpu_step_profile.py").BOOKKEEPING)
+    assert store.disabled is None and not store.ready() and store.steps == {}
+
+    storage, settings = layer.storage, layer.settings  # gpu_kernel_sweep.py
+    assert layer.graphed is None and storage.pool.k.dtype == storage.dtype and storage.head_dim == shape.head_dim
+    layout = cache.sequence.last_plan.decode_layout(storage.num_kv_heads, settings.pages_per_head)
+    assert layout.row_indptr_host.numel() == storage.num_kv_heads + 1
+    graphed = GraphedDecode(storage, layer.backend, layer.step_inputs)  # what a CUDA layer holds as layer.graphed
+    assert graphed.graph is None and graphed.scale is None
+    rows_query = torch.zeros(storage.num_kv_heads, shape.group, shape.head_dim)
+    inputs = graphed.table_inputs(rows_query, cache.sequence.num_tokens)
+    assert inputs.kmin is storage.meta.kmin and inputs.page_size == settings.page_size
+    for name in ("score_unstable_pages", "list_pages", "selection_warps", "SCORE_BLOCK", "SCORE_WARPS", "TABLE_WARPS"):
+        assert hasattr(triton_select, name), name

@@ -248,7 +248,8 @@ def test_rerank_and_tail_retirement_kernels_match_torch_at_scale() -> None:
     """The fused rerank and tail retirement leave exactly the state of their torch versions over 4096 rows (one
     program each, thousands of warps in flight), rerank after rerank and retirement after retirement. A program
     whose warps each read the row's selection while another warp of it already rewrote it moves part of a page into
-    the wrong slot: session 9 found this in the tail retirement as rare run-to-run differences of generate()."""
+    the wrong slot, which shows up as rare run-to-run differences of generate() (what eval/gpu_repeatability.py
+    looks for)."""
     from types import SimpleNamespace
 
     from flexicache.offload import OffloadedPages
@@ -390,10 +391,11 @@ def test_other_sizes_compile_no_new_kernel_variants() -> None:
 
 
 def test_collecting_an_old_cache_does_not_break_the_next_capture(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cache that became garbage (here kept in a reference cycle, as caches often are) must not be collected while
-    the next cache records its CUDA graphs: destroying its graphs there invalidates the capture (seen on the H200).
-    A collection is forced inside every recording where the collector is on; both generations give the same tokens
-    and logits, bit for bit (a run on `637ed50` did not: the tail retirement's race, fixed in session 9)."""
+    """A cache that became garbage (here kept in a reference cycle, as a caller's objects may keep it) must not be
+    collected while the next cache records its CUDA graphs: destroying its graphs there invalidates the capture (seen
+    on the H200). A collection is forced inside every recording where the collector is on; both generations give the
+    same tokens and logits, bit for bit (a race in a kernel, e.g. one in the tail retirement, would make them differ:
+    see test_rerank_and_tail_retirement_kernels_match_torch_at_scale)."""
     import gc
 
     from flexicache.backends import triton_select

@@ -1,10 +1,11 @@
 """Page-locked host memory for the host tier, registered with CUDA instead of allocated by it.
 
-``torch.zeros(..., pin_memory=True)`` goes through ``cudaHostAlloc``: on the H200 host that took 374 of the 431 ms a
-32k x batch 8 prefill spent per layer (BENCHMARKS.md, session 6), and torch's pinned allocator rounds every block up to
-a power of two. Here the memory is an anonymous mapping of exactly the bytes asked for (transparent huge pages
-requested, its pages faulted in by torch's parallel fill), page-locked and mapped into every device's address space
-with ``cudaHostRegister``: host-to-device copies and the zero-copy Triton kernels use it like any pinned tensor.
+``torch.zeros(..., pin_memory=True)`` goes through ``cudaHostAlloc``, which is slow for blocks of a host tier's size
+(most of a long prefill's time went there; ``eval/gpu_prefill_profile.py`` times both ways), and torch's pinned
+allocator rounds every block up to a power of two. Here the memory is an anonymous mapping of exactly the bytes
+asked for (transparent huge pages requested, its pages faulted in by torch's parallel fill), page-locked and mapped
+into every device's address space with ``cudaHostRegister``: host-to-device copies and the zero-copy Triton kernels
+use it like any pinned tensor.
 """
 
 from __future__ import annotations
