@@ -240,16 +240,21 @@ def page_minmax(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
     return (torch.stack([p.min(dim=0).values for p in pages]), torch.stack([p.max(dim=0).values for p in pages]))
 
 
-def brute_quest(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, reduce: str = "max") -> torch.Tensor:
-    """``[P]`` Quest scores of one row: ``query [G, D]``, page bounds ``[P, D]``, loops over elements."""
+def brute_quest(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, reduce: str = "max",
+                spread: float = 1.0) -> torch.Tensor:
+    """``[P]`` box scores of one row: ``query [G, D]``, page bounds ``[P, D]``, loops over elements; ``spread``
+    weighs each element's half-width (1: Quest's bound, the larger corner product)."""
     scores = torch.empty(kmin.shape[0], dtype=torch.float64)
     for page in range(kmin.shape[0]):
         per_head = []
         for g in range(query.shape[0]):
             total = 0.0
             for d in range(query.shape[1]):
-                qd = float(query[g, d])
-                total += max(qd * float(kmax[page, d]), qd * float(kmin[page, d]))
+                qd, low, high = float(query[g, d]), float(kmin[page, d]), float(kmax[page, d])
+                if spread == 1.0:
+                    total += max(qd * high, qd * low)
+                else:
+                    total += qd * (high + low) / 2 + spread * abs(qd) * (high - low) / 2
             per_head.append(total)
         scores[page] = max(per_head) if reduce == "max" else sum(per_head)
     return scores
@@ -372,9 +377,15 @@ def check_layer_state(driver: Driver, cache: FlexiCache, settled: bool = True) -
     assert cache.get_seq_length() == driver.dense.get_seq_length()
 
 
-def quest(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, reduce: str) -> torch.Tensor:
-    """``[P]``: per element ``max(q * kmax, q * kmin)`` summed over d, then reduced over the group ``query [G, D]``."""
-    per_head = torch.maximum(query[:, None] * kmax[None], query[:, None] * kmin[None]).sum(-1)  # [G, P]
+def quest(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, reduce: str, spread: float = 1.0
+          ) -> torch.Tensor:
+    """``[P]``: per element ``q * centre + spread * |q| * half-width`` of the page's box (``spread = 1``:
+    ``max(q * kmax, q * kmin)``), summed over d, then reduced over the group ``query [G, D]``."""
+    if spread == 1.0:
+        per_head = torch.maximum(query[:, None] * kmax[None], query[:, None] * kmin[None]).sum(-1)  # [G, P]
+    else:
+        centre, half_width = (kmax + kmin) / 2, (kmax - kmin) / 2
+        per_head = (query[:, None] * centre[None] + spread * query[:, None].abs() * half_width[None]).sum(-1)
     return per_head.amax(0) if reduce == "max" else per_head.sum(0)
 
 
@@ -394,7 +405,7 @@ def expected_decode(driver: Driver, cache: FlexiCache, layer_idx: int, reranked:
         for head in range(driver.num_kv):
             q = query[b, head * group:(head + 1) * group]
             kmin, kmax = page_minmax(keys[head].double(), page_size)
-            scores = quest(q, kmin, kmax, reduce)
+            scores = quest(q, kmin, kmax, reduce, settings.spread_weight)
             if head in layer.unstable_heads:
                 pages = reference_topk(scores, num_pages, k, force_last=True)
             else:

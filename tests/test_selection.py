@@ -27,14 +27,26 @@ def quest_inputs(draw):
     return query, torch.minimum(a, b), torch.maximum(a, b)
 
 
-@given(quest_inputs(), st.sampled_from(["max", "sum"]))
-def test_quest_scores_match_brute_force(inputs, reduce):
+@given(quest_inputs(), st.sampled_from(["max", "sum"]), st.sampled_from([1.0, 0.5, 0.0, 0.3]))
+def test_quest_scores_match_brute_force(inputs, reduce, spread):
     query, kmin, kmax = inputs
-    scores = quest_page_scores(query, kmin, kmax, reduce)
+    scores = quest_page_scores(query, kmin, kmax, reduce, spread)
     assert scores.shape == kmin.shape[:2] and scores.dtype == torch.float64
     for row in range(query.shape[0]):
-        expected = brute_quest(query[row], kmin[row], kmax[row], reduce)
+        expected = brute_quest(query[row], kmin[row], kmax[row], reduce, spread)
         torch.testing.assert_close(scores[row], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_spread_weight_moves_the_score_from_the_bound_to_the_box_centre():
+    generator = torch.Generator().manual_seed(4)
+    query = torch.randn(3, 2, 8, generator=generator, dtype=torch.float64)
+    keys = torch.randn(3, 5, 4, 8, generator=generator, dtype=torch.float64)  # [R, P, ps, D]
+    kmin, kmax = keys.amin(2), keys.amax(2)
+    bound = quest_page_scores(query, kmin, kmax, "sum", 1.0)
+    centre = torch.einsum("rgd,rpd->rp", query, (kmin + kmax) / 2)
+    torch.testing.assert_close(quest_page_scores(query, kmin, kmax, "sum", 0.0), centre)
+    torch.testing.assert_close(quest_page_scores(query, kmin, kmax, "sum", 0.5), (bound + centre) / 2)
+    assert bool((bound >= quest_page_scores(query, kmin, kmax, "sum", 0.5)).all())
 
 
 def test_quest_score_is_an_upper_bound_of_every_key_in_the_page():

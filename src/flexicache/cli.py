@@ -1,4 +1,4 @@
-"""``flexicache`` command line: ``profile``, ``eval`` and ``bench`` subcommands, and the device and dtype options
+"""``flexicache`` command line: ``profile``, ``eval``, ``diagnose`` and ``bench`` subcommands, and the device and dtype options
 they share with the example scripts."""
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ DTYPE_HELP = "model dtype; auto: bfloat16 on CUDA (FlashInfer kernels), float32 
 SUBCOMMANDS = {
     "profile": ("flexicache.profiling.cli", "Measure head stability and write a HeadProfile JSON."),
     "eval": ("flexicache.evaluation.cli", "Compare DynamicCache and FlexiCache accuracy on a suite."),
+    "diagnose": ("flexicache.diagnostics.cli",
+                 "Attention mass kept by FlexiCache's page selection vs the oracle, per layer and head."),
     "bench": ("flexicache.benchmarks.cli", "Measure memory and decode speed side by side."),
 }
 

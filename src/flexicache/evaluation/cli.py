@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="more FlexiCache rows, each a comma-separated list of settings, e.g. "
                              "token_budget=256,page_size=8 or budget=512,group_reduce=sum,profile=my.json (settings "
                              "left out: --page-size, --rerank-interval, --profile); named flexicache@256,page_size=8")
+    parser.add_argument("--oracle", action="store_true",
+                        help="also an oracle row per --budget: the pages holding the most true attention mass at "
+                             "every step (reads every key; the ceiling of page-granular top-K at that budget)")
     parser.add_argument("--profile", help="HeadProfile JSON (default: the shipped one for smollm2, else "
                                           "HeadProfile.default)")
     parser.add_argument("--page-size", type=int, default=16)
@@ -87,12 +90,15 @@ def _check_resume(out: Path, args: argparse.Namespace) -> None:
 
 def build_methods(model: Any, args: argparse.Namespace) -> list:
     """Dense (a DynamicCache, which the flexicache attention serves densely), one FlexiCache method per
-    ``--budget`` and one per ``--method`` spec, all on the same model."""
+    ``--budget`` (and with ``--oracle`` an oracle row per budget) and one per ``--method`` spec, all on the same
+    model."""
     from flexicache import HeadProfile
     from flexicache.models import SMOLLM2
     from flexicache.profiles import shipped_profile_path
 
-    from .methods import DenseMethod, FlexiCacheMethod, parse_method
+    from flexicache.config import FlexiCacheConfig
+
+    from .methods import DenseMethod, FlexiCacheMethod, OracleMethod, parse_method
 
     default_profile = args.profile or (SHIPPED + SMOLLM2_PROFILE if args.model == SMOLLM2 else None)
     profiles: dict[str | None, Any] = {}
@@ -107,8 +113,12 @@ def build_methods(model: Any, args: argparse.Namespace) -> list:
             profiles[name] = HeadProfile.load(path) if path else None
         return profiles[name]
 
-    defaults = {"page_size": args.page_size, "rerank_interval": args.rerank_interval}
+    # The settings a row leaves to FlexiCache's defaults are recorded too: a results folder is tied to them.
+    defaults = {"page_size": args.page_size, "rerank_interval": args.rerank_interval,
+                "group_reduce": FlexiCacheConfig.group_reduce, "spread_weight": FlexiCacheConfig.spread_weight}
     methods = [DenseMethod(model)]
+    if args.oracle:
+        methods += [OracleMethod(model, budget, args.page_size) for budget in args.budget]
     methods += [FlexiCacheMethod(model, {"token_budget": budget, **defaults}, load_profile(default_profile),
                                  default_profile) for budget in args.budget]
     methods += [parse_method(spec, model, defaults, load_profile, default_profile) for spec in args.method]

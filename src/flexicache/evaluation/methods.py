@@ -1,7 +1,7 @@
 """The rows of an accuracy table: each method builds a fresh cache for one sample (or one batch of samples).
 
-``DenseMethod`` (a DynamicCache: the reference) and ``FlexiCacheMethod`` (FlexiCache with given settings) are
-the built-in kinds; ``Method`` wraps any cache factory. A method's ``name`` keys its stored predictions and its
+``DenseMethod`` (a DynamicCache: the reference), ``FlexiCacheMethod`` (FlexiCache with given settings) and
+``OracleMethod`` (the oracle page selection at a budget, the ceiling of page-granular top-K) are the built-in kinds; ``Method`` wraps any cache factory. A method's ``name`` keys its stored predictions and its
 ``settings`` (JSON) are recorded beside them, so a results folder resumes per (method, sample) and refuses to
 mix two methods of one name. ``parse_method`` turns a command-line spec such as ``token_budget=256,page_size=8``
 into a ``FlexiCacheMethod``.
@@ -87,6 +87,30 @@ class FlexiCacheMethod:
     @property
     def settings(self) -> dict[str, Any]:
         return {"kind": "flexicache", "profile": self.profile_name, **self.options}
+
+
+@dataclass(frozen=True, eq=False)
+class OracleMethod:
+    """:class:`~flexicache.oracle.OracleCache` at ``token_budget`` and ``page_size``: every decode step attends to
+    the pages holding the most true attention mass, the ceiling of page-granular top-K (reads every key)."""
+
+    model: Any
+    token_budget: int
+    page_size: int = 16
+    name: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", f"oracle@{self.token_budget}")
+
+    def make_cache(self) -> Any:
+        from flexicache.oracle import OracleCache
+
+        return OracleCache(self.model.config, token_budget=self.token_budget, page_size=self.page_size)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {"kind": "oracle", "token_budget": self.token_budget, "page_size": self.page_size}
 
 
 def parse_value(text: str) -> Any:

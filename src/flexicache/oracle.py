@@ -1,0 +1,111 @@
+"""The oracle page selection: the ceiling of page-granular top-K attention on a model (not for production).
+
+At every decode step each (request, KV head) attends to the ``token_budget // page_size`` pages that hold the most
+true attention mass of its query heads (summed over the GQA group), the first (sink) and the last (tail) page
+always in: the selection FlexiCache's page scores try to approximate, found by reading every key. Pages are cut
+over each request's real tokens, as FlexiCache cuts them, so left padding does not shift them. An
+``OracleCache`` keeps the full KV like a ``DynamicCache`` and runs through the ``"flexicache"`` attention
+(prefill is dense), so the harness can put an oracle row beside dense and FlexiCache at every budget.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+from flexicache import handoff
+from flexicache.config import FlexiCacheConfig
+from flexicache.profile import model_shape
+
+
+class OracleLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose decode attends to its oracle pages (see the module docstring)."""
+
+    def __init__(self, layer_idx: int, settings: FlexiCacheConfig) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.settings = settings
+        self.valid: torch.Tensor | None = None  # [B, T] bool: which cached positions hold real tokens
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens ``[B, H, T, D]`` and stage them for the flexicache attention; returns the full KV."""
+        start = self.get_seq_length()
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        handoff.stage(self, self.layer_idx, key_states, value_states, start)
+        return keys, values
+
+    def commit(self, chunk: handoff.StagedChunk, query: torch.Tensor, real_tokens: torch.Tensor | None) -> None:
+        """A chunk of several tokens (dense attention): record which of them are real (``real_tokens [B, T]``)."""
+        batch_size, _, length, _ = chunk.keys.shape
+        real = torch.ones(batch_size, length, dtype=torch.bool) if real_tokens is None else real_tokens.cpu()
+        self.valid = real if self.valid is None else torch.cat([self.valid, real], dim=1)
+
+    def reset(self) -> None:
+        super().reset()
+        self.valid = None
+
+    def crop(self, max_length: int) -> None:
+        super().crop(max_length)
+        self.valid = self.valid[:, : self.get_seq_length()]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self.valid = self.valid.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.valid = self.valid[indices.cpu()]
+
+    def decode(self, chunk: handoff.StagedChunk, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of ``query [B, Hq, 1, D]`` over each row's oracle pages; ``[B, 1, Hq, D]``."""
+        batch_size = query.shape[0]
+        self.valid = torch.cat([self.valid, torch.ones(batch_size, 1, dtype=torch.bool)], dim=1)
+        outputs = [self._decode_request(query[b, :, 0], b, scale) for b in range(batch_size)]
+        return torch.stack(outputs).unsqueeze(1).to(query.dtype)
+
+    def _decode_request(self, query: torch.Tensor, request: int, scale: float) -> torch.Tensor:
+        """``query [Hq, D]`` of one request over its real tokens' oracle pages: ``[Hq, D]``."""
+        real = self.valid[request].nonzero().view(-1).to(self.keys.device)
+        compute_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+        keys = self.keys[request][:, real].to(compute_dtype)  # [H, N, D]
+        values = self.values[request][:, real].to(compute_dtype)
+        num_heads, num_tokens, head_dim = keys.shape
+        grouped = query.to(compute_dtype).view(num_heads, -1, head_dim)  # [H, G, D]
+        logits = torch.bmm(grouped, keys.transpose(1, 2)) * scale  # [H, G, N]
+        mask = oracle_token_mask(logits.softmax(-1), self.settings.page_size, self.settings.pages_per_head)
+        weights = logits.masked_fill(~mask.unsqueeze(1), float("-inf")).softmax(-1)
+        return torch.bmm(weights, values).view(-1, head_dim)
+
+
+def oracle_token_mask(weights: torch.Tensor, page_size: int, pages: int) -> torch.Tensor:
+    """``[R, T]`` bool: the tokens of the top ``pages`` pages of every row by attention mass summed over the group
+    (``weights [R, G, T]``), sink and tail pages forced; every token when the row has at most ``pages`` pages."""
+    rows, _, num_tokens = weights.shape
+    num_pages = -(-num_tokens // page_size)
+    if num_pages <= pages:
+        return torch.ones(rows, num_tokens, dtype=torch.bool, device=weights.device)
+    padded = torch.nn.functional.pad(weights.sum(1), (0, num_pages * page_size - num_tokens))
+    mass = padded.view(rows, num_pages, page_size).sum(-1)
+    mass[:, 0] = mass[:, -1] = float("inf")
+    top = mass.topk(pages, dim=1).indices
+    chosen = torch.zeros(rows, num_pages, dtype=torch.bool, device=weights.device).scatter_(1, top, True)
+    return chosen.repeat_interleave(page_size, dim=1)[:, :num_tokens]
+
+
+class OracleCache(DynamicCache):
+    """Full KV with oracle page selection at decode (see the module docstring). For measurement, not production:
+    every decode step reads every key.
+
+    Args:
+        config: the model's config; token_budget, page_size: as :class:`~flexicache.FlexiCacheConfig`'s.
+    """
+
+    def __init__(self, config: Any, token_budget: int = 2048, page_size: int = 16) -> None:
+        settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size)
+        num_layers, _, _ = model_shape(config)
+        Cache.__init__(self, layers=[OracleLayer(index, settings) for index in range(num_layers)])
+        self.settings = settings

@@ -1,0 +1,76 @@
+"""The oracle page selection: the true top pages of a constructed attention, DynamicCache's tokens at a covering
+budget, a padded batch equal to each request alone, and the decode output of an fp64 reference at a small budget."""
+
+from __future__ import annotations
+
+import torch
+from conftest import dense_cache, greedy, left_pad, masked_attention, random_prompt, tiny_config, tiny_model
+
+import flexicache  # noqa: F401  (registers the flexicache attention)
+from flexicache.oracle import OracleCache, oracle_token_mask
+
+
+def test_oracle_mask_keeps_the_pages_of_most_mass_with_sink_and_tail() -> None:
+    # 6 pages of 2 tokens, 2 query heads: page 3 holds most of head 0's mass, page 2 most of head 1's, page 4 a
+    # little of both; sink (0) and tail (5) are forced whatever their mass.
+    weights = torch.zeros(1, 2, 12)
+    weights[0, 0, [6, 7]] = 0.4
+    weights[0, 1, [4, 5]] = 0.35
+    weights[0, :, 8] = 0.1
+    weights[0, :, [0, 11]] = 0.01
+    weights[0, 0, 1] = 0.02
+    mask = oracle_token_mask(weights, page_size=2, pages=4)
+    assert mask[0].view(6, 2).all(1).tolist() == [True, False, True, True, False, True]
+    assert mask.view(1, 6, 2).any(2).equal(mask.view(1, 6, 2).all(2))  # whole pages only
+    assert oracle_token_mask(weights, page_size=2, pages=6).all()  # the budget covers the row
+
+
+def test_oracle_with_a_covering_budget_generates_what_dynamic_cache_generates() -> None:
+    config = tiny_config(group=3, num_kv_heads=2)
+    model = tiny_model(config).to(torch.float64)
+    model.set_attn_implementation("flexicache")
+    ids = random_prompt(29, seed=3).view(1, -1)
+    reference, reference_logits = greedy(model, ids, dense_cache(model), max_new_tokens=12, logits=True)
+    tokens, logits = greedy(model, ids, OracleCache(config, token_budget=48, page_size=4), max_new_tokens=12,
+                            logits=True)
+    assert torch.equal(tokens, reference)
+    for ours, theirs in zip(logits, reference_logits):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-10)
+
+
+def test_oracle_left_padded_batch_equals_each_request_alone() -> None:
+    config = tiny_config(group=2, num_kv_heads=2)
+    model = tiny_model(config, seed=1)
+    model.set_attn_implementation("flexicache")
+    prompts = [random_prompt(41, seed=5), random_prompt(26, seed=6)]
+    ids, mask = left_pad(prompts)
+    batch = greedy(model, ids, OracleCache(config, token_budget=16, page_size=4), mask, max_new_tokens=10)
+    for row, prompt in enumerate(prompts):
+        alone = greedy(model, prompt.view(1, -1), OracleCache(config, token_budget=16, page_size=4),
+                       max_new_tokens=10)
+        assert torch.equal(batch[row, -10:], alone[0, -10:])
+
+
+def test_oracle_decode_equals_attention_over_the_true_top_pages() -> None:
+    config = tiny_config(group=2, num_kv_heads=2, num_layers=1)
+    model = tiny_model(config, seed=2)
+    model.set_attn_implementation("flexicache")
+    cache = OracleCache(config, token_budget=12, page_size=4)
+    ids = random_prompt(30, seed=7).view(1, -1)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    query = torch.randn(1, 4, 1, 8, dtype=torch.float64)
+    keys, values = torch.randn(2, 1, 2, 1, 8, dtype=torch.float64).unbind(0)
+    layer.update(keys, values)
+    chunk = flexicache.handoff.take(0)
+    output = layer.decode(chunk, query, scale=0.3)[0, 0]  # [Hq, D]
+    all_keys, all_values = layer.keys[0], layer.values[0]  # [H, 31, D]
+    for head in range(2):
+        group = query[0, 2 * head : 2 * head + 2, 0]
+        weights = torch.softmax(group @ all_keys[head].T * 0.3, dim=-1)  # [G, 31]
+        mass = torch.nn.functional.pad(weights.sum(0), (0, 1)).view(8, 4).sum(1)
+        best = sorted(set(range(1, 7)), key=lambda page: -float(mass[page]))[:1]  # 3 pages: sink, tail, 1 more
+        tokens = [t for page in sorted({0, 7, *best}) for t in range(4 * page, min(4 * page + 4, 31))]
+        expected = masked_attention(group, all_keys[head, tokens], all_values[head, tokens], 0.3)
+        torch.testing.assert_close(output[2 * head : 2 * head + 2], expected, rtol=0, atol=1e-12)
