@@ -416,3 +416,26 @@ def test_decode_rows_survive_a_failing_loop_calibration(tmp_path, monkeypatch):
     assert all(row["full_depth"] is None and row["rounds"] == 2 for row in measured)
     reasons = [skipped["reason"] for skipped in results["cases"]["decode"]["skipped"]]
     assert len(reasons) == 2 and all("loop calibration error" in reason for reason in reasons)
+
+
+def test_system_names_carry_flexicache_settings_after_a_colon():
+    from flexicache.benchmarks.suite import Settings, System, system_options
+
+    system = System("flexicache-64:spread_weight=1.0,group_reduce=sum")
+    assert (system.kind, system.budget) == ("flexicache", 64)
+    assert system_options(system.name) == {"spread_weight": 1.0, "group_reduce": "sum"}
+    config = tiny_bench_config()
+    cache = system.make_cache(config, tokens=96, settings=Settings())
+    assert cache.settings.spread_weight == 1.0 and cache.settings.group_reduce == "sum"
+    assert System("flexicache-64").make_cache(config, tokens=96, settings=Settings()).settings.spread_weight == 0.5
+    with pytest.raises(ValueError, match="setting=value"):
+        System("flexicache-64:spread_weight")
+    with pytest.raises(ValueError, match="FlexiCache's"):
+        System("dynamic:spread_weight=1.0")
+
+
+def tiny_bench_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)

@@ -59,14 +59,38 @@ def full_layers(name: str) -> int:
 # --------------------------------------------------------------------------------------------------- systems
 
 def split_system_name(name: str) -> tuple[str, int | None]:
-    """``(kind, token budget or None)`` of a system name."""
+    """``(kind, token budget or None)`` of a system name (its ``:settings`` suffix aside)."""
+    name = name.partition(":")[0]
     if name in ("dynamic", "dynamic-offload", "dense"):
         return name, None
     kind, _, budget = name.partition("-")
     if kind in ("flexicache", "quest") and budget.isdigit():
         return kind, int(budget)
     raise ValueError(f"unknown system {name!r}: use dynamic, dynamic-offload, dense, flexicache-<budget> or "
-                     "quest-<budget> (e.g. flexicache-1024)")
+                     "quest-<budget> (e.g. flexicache-1024), optionally with FlexiCache settings after a colon "
+                     "(e.g. flexicache-1024:spread_weight=1.0)")
+
+
+def system_options(name: str) -> dict[str, float | int | bool | str]:
+    """The FlexiCache settings after a system name's colon: ``flexicache-1024:spread_weight=1.0,group_reduce=sum``
+    gives ``{"spread_weight": 1.0, "group_reduce": "sum"}``."""
+    options: dict[str, float | int | bool | str] = {}
+    for item in filter(None, name.partition(":")[2].split(",")):
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"system {name!r}: {item!r} is not setting=value (e.g. spread_weight=1.0)")
+        value: float | int | bool | str = text
+        if text.lower() in ("true", "false"):
+            value = text.lower() == "true"
+        else:
+            for kind in (int, float):
+                try:
+                    value = kind(text)
+                    break
+                except ValueError:
+                    pass
+        options[key] = value
+    return options
 
 
 @dataclass(frozen=True)
@@ -74,12 +98,16 @@ class System:
     """A cache configuration, by name: ``dynamic`` (DynamicCache + sdpa), ``dynamic-offload`` (DynamicCache with
     ``offloading=True``), ``dense`` (FlexiCache, every head on the device, budget covering the context: dense
     FlashInfer decode), ``flexicache-<budget>`` (stable/unstable profile) and ``quest-<budget>`` (every head
-    unstable: all pages on the device, rerank every step)."""
+    unstable: all pages on the device, rerank every step); FlexiCache settings may follow a colon
+    (``flexicache-1024:spread_weight=1.0``)."""
 
     name: str
 
     def __post_init__(self) -> None:
         split_system_name(self.name)
+        if system_options(self.name) and self.kind not in ("flexicache", "quest", "dense"):
+            raise ValueError(f"system {self.name!r}: settings after the colon are FlexiCache's, "
+                             f"{self.kind} takes none")
 
     @property
     def kind(self) -> str:
@@ -105,7 +133,7 @@ class System:
             return DynamicCache(config=config, offloading=True)
         num_layers, num_kv_heads = config.num_hidden_layers, config.num_key_value_heads
         shape = Shape(num_layers, num_kv_heads, config.num_attention_heads // num_kv_heads, config.head_dim)
-        page = settings.page_size
+        page = int(system_options(self.name).get("page_size", settings.page_size))
         if self.kind == "flexicache":
             profile = random_profile(shape, settings.unstable_fraction, settings.seed)
             budget = self.budget
@@ -113,9 +141,10 @@ class System:
             profile = HeadProfile(num_layers, num_kv_heads, config.head_dim,
                                   [(layer, head) for layer in range(num_layers) for head in range(num_kv_heads)])
             budget = self.budget if self.kind == "quest" else page * math.ceil((tokens + page) / page)
-        return FlexiCache(config, profile=profile, token_budget=budget, page_size=page,
-                          rerank_interval=settings.rerank_interval, backend=settings.backend,
-                          cuda_graphs=settings.cuda_graphs != "off", max_cache_len=tokens)
+        options = {"page_size": page, "rerank_interval": settings.rerank_interval, "backend": settings.backend,
+                   "cuda_graphs": settings.cuda_graphs != "off", "max_cache_len": tokens,
+                   **system_options(self.name)}
+        return FlexiCache(config, profile=profile, token_budget=budget, **options)
 
 
 def systems(names: list[str]) -> list[System]:
