@@ -1,20 +1,51 @@
 #!/usr/bin/env bash
-# The CPU results of eval/RESULTS.md: SmolLM2-135M-Instruct (GGUF, fp32), 2 cores, one thread per process.
-# Every budget is at most 1/8 of the context. Usage: bash eval/run_cpu_results.sh [RESULTS_ROOT]
-# Re-running resumes (finished samples are skipped).
+# The CPU accuracy results of eval/RESULTS.md: per model, task and budget, dense | oracle pages | FlexiCache (its
+# defaults) | Quest's bound (spread_weight=1.0), budgets at context/8 and context/16, greedy decoding, fp32 on
+# the CPU, one thread per process. Every folder resumes (finished samples are skipped), so the script can be
+# stopped and re-run. Usage: bash eval/run_cpu_results.sh [RESULTS_ROOT] [MODEL...]
+# (models: smollm2 qwen2.5-coder gemma3; default all three, in that order).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-root=${1:-results/cpu}
+root=${1:-eval/results/cpu}
+shift || true
+models=("${@:-smollm2 qwen2.5-coder gemma3}")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-run() { echo "+ flexicache eval $*"; python -m flexicache.cli eval --model smollm2 --device cpu --no-progress "$@"; }
+stdlib=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 
-run --suite synthetic --tasks passkey --lengths 2048 --limit 3 --budget 256 --out "$root/passkey-2k"
-run --suite ppl --data "$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')/argparse.py" \
-    --context-length 1024 --prefill 128 --budget 128 --out "$root/ppl-1k"
-run --suite synthetic --tasks niah_single_1 vt --lengths 2048 --limit 2 --max-new-tokens 24 --budget 256 \
-    --out "$root/ruler-2k"
-python eval/build_lcc_set.py --count 4 --min-words 800 --max-words 1600 --out "$root/lcc_stdlib_4.jsonl"
-run --suite lcc --data "$root/lcc_stdlib_4.jsonl" --context-length 4096 --max-new-tokens 24 --budget 256 \
-    --out "$root/lcc"
-run --suite synthetic --tasks passkey --lengths 4096 --limit 3 --budget 512 --out "$root/passkey-4k"
-run --suite leval --context-length 2048 --limit 1 --max-new-tokens 128 --budget 256 --out "$root/longgen-2k"
+# eval MODEL OUT BUDGET... -- ARGS: one folder, rows dense + (oracle, FlexiCache, Quest's bound) at each budget
+eval_rows() {
+    local model=$1 out=$2; shift 2
+    local budgets=() quest=()
+    while [[ $1 != -- ]]; do budgets+=("$1"); quest+=("budget=$1,spread_weight=1.0"); shift; done
+    shift
+    echo "+ flexicache eval --model $model --budget ${budgets[*]} --oracle --method ${quest[*]} $* --out $out"
+    python -m flexicache.cli eval --model "$model" --device cpu --no-progress --budget "${budgets[@]}" --oracle \
+        --method "${quest[@]}" "$@" --out "$out"
+}
+
+for model in ${models[@]}; do
+    case $model in
+        smollm2)  # 8k context window: synthetic retrieval at 4k and 8k
+            eval_rows smollm2 "$root/smollm2/synthetic-4k" 512 256 -- --suite synthetic \
+                --tasks passkey niah_single_1 --lengths 4096 --limit 20 --max-new-tokens 24
+            eval_rows smollm2 "$root/smollm2/ppl-2k" 256 128 -- --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1024
+            python eval/build_lcc_set.py --count 20 --min-words 800 --max-words 1600 --out "$root/lcc_stdlib_20.jsonl"
+            eval_rows smollm2 "$root/smollm2/lcc-4k" 512 256 -- --suite lcc --data "$root/lcc_stdlib_20.jsonl" \
+                --context-length 4096 --max-new-tokens 24
+            eval_rows smollm2 "$root/smollm2/synthetic-8k" 1024 512 -- --suite synthetic \
+                --tasks passkey niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24
+            ;;
+        qwen2.5-coder)  # 32k context window: 8k prompts
+            eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
+                --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
+            eval_rows qwen2.5-coder "$root/qwen2.5-coder/lcc-8k" 1024 512 -- --suite lcc \
+                --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24
+            ;;
+        gemma3)  # hybrid: 5 sliding-window (512) layers per global layer; the budgets apply to the global layers
+            eval_rows gemma3 "$root/gemma3/synthetic-8k" 1024 512 -- --suite synthetic \
+                --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
+            ;;
+        *) echo "unknown model $model (smollm2, qwen2.5-coder, gemma3)" >&2; exit 2 ;;
+    esac
+done

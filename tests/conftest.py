@@ -348,10 +348,16 @@ def check_layer_state(driver: Driver, cache: FlexiCache, settled: bool = True) -
             n = real_keys.shape[1]
             num_pages, full_pages = cdiv(n, page_size), (n - 1) // page_size
             for head in range(driver.num_kv):
-                kmin, kmax = page_minmax(real_keys[head], page_size)
                 stored_min, stored_max = page_bounds(layer, head)
-                assert torch.equal(stored_min[b, :num_pages], kmin), (layer_idx, b, head)
-                assert torch.equal(stored_max[b, :num_pages], kmax), (layer_idx, b, head)
+                basis = layer.storage.basis
+                if basis is None:
+                    kmin, kmax = page_minmax(real_keys[head], page_size)
+                    assert torch.equal(stored_min[b, :num_pages], kmin), (layer_idx, b, head)
+                    assert torch.equal(stored_max[b, :num_pages], kmax), (layer_idx, b, head)
+                else:  # boxes in the principal axes: rotated chunk by chunk, so equal up to rounding
+                    kmin, kmax = page_minmax(real_keys[head] @ basis.matrix[b, head].to(real_keys.dtype), page_size)
+                    torch.testing.assert_close(stored_min[b, :num_pages], kmin, rtol=1e-12, atol=1e-12)
+                    torch.testing.assert_close(stored_max[b, :num_pages], kmax, rtol=1e-12, atol=1e-12)
             if layer.storage.offloaded is None:
                 continue
             off = layer.storage.offloaded
@@ -404,8 +410,11 @@ def expected_decode(driver: Driver, cache: FlexiCache, layer_idx: int, reranked:
         num_pages, full_pages = cdiv(n, page_size), (n - 1) // page_size
         for head in range(driver.num_kv):
             q = query[b, head * group:(head + 1) * group]
-            kmin, kmax = page_minmax(keys[head].double(), page_size)
-            scores = quest(q, kmin, kmax, reduce, settings.spread_weight)
+            axes = torch.eye(head_dim, dtype=torch.float64)
+            if settings.principal_bounds:  # boxes in the axes the cache keeps them in (checked in test_key_basis)
+                axes = layer.storage.basis.matrix[b, head].double()
+            kmin, kmax = page_minmax(keys[head].double() @ axes, page_size)
+            scores = quest(q @ axes, kmin, kmax, reduce, settings.spread_weight)
             if head in layer.unstable_heads:
                 pages = reference_topk(scores, num_pages, k, force_last=True)
             else:

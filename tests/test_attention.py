@@ -26,12 +26,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("principal", [False, True], ids=["model-axes", "principal-axes"])
 @pytest.mark.parametrize("page_size,budget,group,lengths,interval,reduce,unstable", CASES)
 def test_sparse_decode_equals_dense_over_selected_pages(page_size, budget, group, lengths, interval, reduce,
-                                                        unstable):
+                                                        unstable, principal):
     config = tiny_config(group=group, num_kv_heads=2, num_layers=3, head_dim=8)
     cache = checked(FlexiCache(config, profile=HeadProfile(3, 2, 8, unstable), token_budget=budget,
-                               page_size=page_size, rerank_interval=interval, group_reduce=reduce))
+                               page_size=page_size, rerank_interval=interval, group_reduce=reduce,
+                               principal_bounds=principal))
     driver = Driver(config, cache, seed=sum(lengths))
     driver.prefill(lengths)
     since = [layer_idx % interval for layer_idx in range(3)]  # reranks are staggered by layer

@@ -113,10 +113,11 @@ def check_table() -> None:
     from flexicache.decode_paths import FusedDecode, TorchDecode
 
     model = tiny_model()
-    for unstable in ([(0, 0), (1, 1)], [(0, 0), (0, 1)], []):
+    for unstable, principal in (([(0, 0), (1, 1)], False), ([(0, 0), (0, 1)], False), ([], False),
+                                ([(0, 0), (1, 1)], True)):
         profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=unstable)
         ids, mask = padded_batch()
-        cache = FlexiCache.from_model(model, profile=profile, token_budget=64)
+        cache = FlexiCache.from_model(model, profile=profile, token_budget=64, principal_bounds=principal)
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=21, do_sample=False)
             for reduce, spread in itertools.product(("max", "sum"), (1.0, 0.5)):
@@ -382,23 +383,26 @@ def check_graph() -> None:
     model = tiny_model()
     profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
     ids, mask = padded_batch()
-    tokens = {}
-    for mode in ("graph", "reference"):
-        with cuda_path_on_cpu(lambda: FlashInferStandIn(launches)) if mode == "graph" else contextlib.nullcontext():
-            original_run = decode_graph.DecodeGraph.run
-            decode_graph.DecodeGraph.run = run if mode == "graph" else original_run
-            try:
-                flexi = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4)
-                with torch.inference_mode():
-                    tokens[mode] = generate_crop_continue(model, flexi, ids, mask, first_tokens=40)
-            finally:
-                decode_graph.DecodeGraph.run = original_run
-        if mode == "graph":
-            captures = [layer.graphed.graph.captures for layer in flexi.layers]
-            assert all(1 <= count <= 12 for count in captures), captures  # most steps replay
-            assert flexi.stats()["promoted_pages"] > 0
-    assert not mismatches, mismatches[:1]
-    assert all(torch.equal(a, b) for a, b in zip(tokens["graph"], tokens["reference"]))
+    for principal in (False, True):  # page boxes in the model's axes and in each head's principal axes
+        tokens = {}
+        for mode in ("graph", "reference"):
+            with (cuda_path_on_cpu(lambda: FlashInferStandIn(launches)) if mode == "graph"
+                  else contextlib.nullcontext()):
+                original_run = decode_graph.DecodeGraph.run
+                decode_graph.DecodeGraph.run = run if mode == "graph" else original_run
+                try:
+                    flexi = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4,
+                                                  principal_bounds=principal)
+                    with torch.inference_mode():
+                        tokens[mode] = generate_crop_continue(model, flexi, ids, mask, first_tokens=40)
+                finally:
+                    decode_graph.DecodeGraph.run = original_run
+            if mode == "graph":
+                captures = [layer.graphed.graph.captures for layer in flexi.layers]
+                assert all(1 <= count <= 12 for count in captures), captures  # most steps replay
+                assert flexi.stats()["promoted_pages"] > 0
+        assert not mismatches, mismatches[:1]
+        assert all(torch.equal(a, b) for a, b in zip(tokens["graph"], tokens["reference"])), principal
 
 
 @contextlib.contextmanager
@@ -583,9 +587,10 @@ def check_step() -> None:
             with torch.inference_mode():
                 first, second = generate_crop_continue(model, flexi, ids, mask, first_tokens=90)
                 # A hand-written decode loop passes no positions: the step graphs must make them step inputs. Its
-                # cache sizes its buffers up front (max_cache_len): the graphs read reserved, not grown, storage.
+                # cache sizes its buffers up front (max_cache_len): the graphs read reserved, not grown, storage;
+                # and it keeps its page boxes in principal axes (the turned key and query inside the recording).
                 alone = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4,
-                                              max_cache_len=ids.shape[1] + 24)
+                                              max_cache_len=ids.shape[1] + 24, principal_bounds=True)
                 loop = greedy_generate(model, ids[0].tolist(), alone, max_new_tokens=24, stop_ids=set())
             tokens[mode], stats[mode] = (first, second, torch.tensor(loop)), flexi.stats()
             stats[mode]["grew"], stats[mode]["finished"] = grew, finished

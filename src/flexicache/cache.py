@@ -44,18 +44,18 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         config: the model's config (shape, layer types).
         profile: a :class:`HeadProfile`, a path to one, a shipped profile's name or a hub repository id (as
             :meth:`HeadProfile.from_pretrained` takes), or ``None`` for :meth:`HeadProfile.default`.
-        token_budget, page_size, rerank_interval, group_reduce, spread_weight, backend, cuda_graphs, max_cache_len:
-            see :class:`FlexiCacheConfig`.
+        token_budget, page_size, rerank_interval, group_reduce, spread_weight, principal_bounds, backend,
+            cuda_graphs, max_cache_len: see :class:`FlexiCacheConfig`.
     """
 
     def __init__(self, config: Any, profile: HeadProfile | str | os.PathLike | None = None, token_budget: int = 2048,
                  page_size: int = 16, rerank_interval: int = 16, group_reduce: str = "max",
-                 spread_weight: float = 0.5, backend: str = "auto", cuda_graphs: bool = True,
-                 max_cache_len: int | None = None) -> None:
+                 spread_weight: float = 0.5, principal_bounds: bool = False, backend: str = "auto",
+                 cuda_graphs: bool = True, max_cache_len: int | None = None) -> None:
         self.settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size,
                                          rerank_interval=rerank_interval, group_reduce=group_reduce,
-                                         spread_weight=spread_weight, backend=backend, cuda_graphs=cuda_graphs,
-                                         max_cache_len=max_cache_len)
+                                         spread_weight=spread_weight, principal_bounds=principal_bounds,
+                                         backend=backend, cuda_graphs=cuda_graphs, max_cache_len=max_cache_len)
         check_supported_model(config)
         if backend == "flashinfer":
             from flexicache.backends.flashinfer import flashinfer_available

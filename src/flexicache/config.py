@@ -25,6 +25,9 @@ class FlexiCacheConfig:
         spread_weight: how much a page's key spread counts in its score, in ``[0, 1]``: a page scores
             ``q . centre + spread_weight * |q| . radius`` of its key box (:func:`~flexicache.selection.quest_page_scores`);
             ``1.0`` is Quest's upper bound, ``0.5`` (the default) measured closer to dense attention (eval/RESULTS.md).
+        principal_bounds: keep every page's key box in the principal axes of its (request, head)'s prompt keys
+            (:mod:`flexicache.key_basis`): tighter boxes, the same attention; costs a ``[D, D]`` basis per row and
+            two small matrix products per layer and step.
         backend: decode kernel: ``"auto"`` (FlashInfer on CUDA when installed, else the torch reference),
             ``"reference"`` or ``"flashinfer"``.
         cuda_graphs: on the CUDA + FlashInfer path, capture each layer's decode step (token append, scoring,
@@ -43,6 +46,7 @@ class FlexiCacheConfig:
     rerank_interval: int = 16
     group_reduce: Literal["max", "sum"] = "max"
     spread_weight: float = 0.5
+    principal_bounds: bool = False
     backend: BackendName = "auto"
     cuda_graphs: bool = True
     max_cache_len: int | None = None
@@ -69,6 +73,8 @@ class FlexiCacheConfig:
                 or not 0.0 <= self.spread_weight <= 1.0):
             raise ValueError(f"spread_weight must be a number in [0, 1] (1.0: Quest's bound), got {self.spread_weight!r}.")
         object.__setattr__(self, "spread_weight", float(self.spread_weight))
+        if not isinstance(self.principal_bounds, bool):
+            raise ValueError(f"principal_bounds must be True or False, got {self.principal_bounds!r}.")
         if self.backend not in ("auto", "reference", "flashinfer"):
             raise ValueError(f"backend must be 'auto', 'reference' or 'flashinfer', got {self.backend!r}.")
         if not isinstance(self.cuda_graphs, bool):

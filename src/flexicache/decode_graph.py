@@ -58,16 +58,21 @@ class DecodeGraph:
     Args:
         batch_size, num_kv_heads, group, head_dim: ``B``, ``H``, ``G``, ``D``.
         capture: ``False`` launches the same kernels eagerly at every step (for debugging and comparison).
+        bound_dtype: the dtype of the step's key and query turned into the page boxes' axes (principal_bounds;
+            ``None``: not turned).
     """
 
     @torch.inference_mode(False)  # made outside inference mode, like every buffer a cache keeps (flexicache.storage)
     def __init__(self, batch_size: int, num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, capture: bool = True) -> None:
+                 device: torch.device, capture: bool = True, bound_dtype: torch.dtype | None = None) -> None:
         self.keys = torch.zeros(batch_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.query = torch.zeros(batch_size * num_kv_heads, group, head_dim, dtype=dtype, device=device)
         self.output = torch.zeros_like(self.query)
         self.scores: torch.Tensor | None = None  # [B * hu, P] fp32 scratch, sized by the caller
+        # The step's keys [B, H, D] and query [B * H, G, D] in the page boxes' axes, when they are turned.
+        self.bound_keys = None if bound_dtype is None else torch.zeros_like(self.keys, dtype=bound_dtype)
+        self.bound_query = None if bound_dtype is None else torch.zeros_like(self.query, dtype=bound_dtype)
         self.capture = capture
         self.captures = 0
         self._graph: torch.cuda.CUDAGraph | None = None

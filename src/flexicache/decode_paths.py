@@ -96,7 +96,7 @@ class TorchDecode:
     def write_token(self, keys: torch.Tensor, values: torch.Tensor, plan: AppendPlan) -> None:
         """Write one token per request and head (``[B, H, D]``) into its tail page's slot and page min/max."""
         storage = self.storage
-        storage.meta.append(keys, plan)
+        storage.meta.append(storage.bound_token(keys), plan)
         offsets = plan.row_offsets(storage.num_kv_heads)
         slots = storage.write_slots.view(-1)
         storage.pool.k[slots, offsets] = keys.reshape(-1, storage.head_dim).to(storage.dtype)
@@ -112,7 +112,7 @@ class TorchDecode:
         page is not read). Device work only. ``num_tokens``: ``[B]`` real tokens per request (device); ``width``:
         pages scored per row, at least the longest row's full pages (columns beyond a row's are ignored)."""
         storage = self.storage
-        grouped = storage.group_queries(query, storage.stable_index)
+        grouped = storage.bound_rows(storage.group_queries(query, storage.stable_index), storage.stable_index)
         full_pages = (num_tokens - 1).clamp(min=0) // self.settings.page_size
         scores = self.stable_scores(grouped, num_tokens, width)
         storage.offloaded.rerank(scores, per_row(full_pages, len(storage.stable_heads)))
@@ -160,7 +160,8 @@ class TorchDecode:
             pages = pages.masked_fill(pages >= num_pages.unsqueeze(1), -1)
         else:
             kmin, kmax = storage.meta.rows(storage.unstable_index, width)
-            scores = quest_page_scores(query, kmin, kmax, settings.group_reduce, settings.spread_weight)
+            scores = quest_page_scores(storage.bound_rows(query, storage.unstable_index), kmin, kmax,
+                                       settings.group_reduce, settings.spread_weight)
             pages, _ = select_pages(scores, num_pages, settings.pages_per_head, force_last=True)
         is_tail = pages == (num_pages - 1).unsqueeze(1)
         page_lens = torch.where(is_tail, per_row(last_page_len, num_heads).unsqueeze(1), page_size)
@@ -177,7 +178,8 @@ class FusedDecode(TorchDecode):
 
         storage = self.storage
         append_token(keys, values, storage.pool.k, storage.pool.v, storage.meta.kmin, storage.meta.kmax,
-                     storage.write_slots, plan.page, plan.offset)
+                     storage.write_slots, plan.page, plan.offset,
+                     bound_keys=None if storage.basis is None else storage.basis.token(keys))
 
     def stable_scores(self, query: torch.Tensor, num_tokens: torch.Tensor, width: int) -> torch.Tensor:
         """One kernel reading the min/max in place (the torch path gathers and upcasts them)."""
@@ -199,7 +201,7 @@ class FusedDecode(TorchDecode):
             return super().table(rows_query, plan)
         from flexicache.backends.triton_select import decode_table, scores_buffer
 
-        inputs = self.table_inputs(rows_query.contiguous(), plan.after)
+        inputs = self.table_inputs(self.storage.bound_rows(rows_query).contiguous(), plan.after)
         slots = torch.empty(rows_query.shape[0], self.settings.pages_per_head, dtype=torch.long,
                             device=self.storage.device)
         page_lens = torch.empty_like(slots)
@@ -249,7 +251,8 @@ class GraphedDecode(FusedDecode):
         storage = self.storage
         if self.graph is None:
             self.graph = DecodeGraph(storage.batch_size, storage.num_kv_heads, rows_query.shape[1], storage.head_dim,
-                                     storage.dtype, storage.device, capture=self.settings.cuda_graphs)
+                                     storage.dtype, storage.device, capture=self.settings.cuda_graphs,
+                                     bound_dtype=None if storage.basis is None else storage.basis.matrix.dtype)
         launch, storage_key = self._step_launch(plan)
         graph = self.graph
         graph.load(keys, values, rows_query)
@@ -284,12 +287,17 @@ class GraphedDecode(FusedDecode):
         if graph.scores is None or graph.scores.shape[1] < inputs.kmin.shape[2]:
             graph.scores = scores_buffer(inputs)
         scores, output, run_prepared = graph.scores, graph.output, self.backend.run_prepared
+        basis = storage.basis  # the page boxes' axes (principal_bounds): set by the prefill, kept
+        bound_keys, bound_query = graph.bound_keys, graph.bound_query
 
         def launch(keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:  # refers to no path
+            if basis is not None:
+                basis.token(keys, out=bound_keys)
+                basis.rows(query, out=bound_query)
             append_token(keys, values, storage.pool.k, storage.pool.v, inputs.kmin, inputs.kmax, storage.write_slots,
-                         step.page, step.offset)
-            decode_table(dataclasses.replace(inputs, query=query), scores, flat=planned.indices,
-                         indptr=planned.indptr)
+                         step.page, step.offset, bound_keys=bound_keys)
+            decode_table(dataclasses.replace(inputs, query=query if basis is None else bound_query), scores,
+                         flat=planned.indices, indptr=planned.indptr)
             run_prepared(planned, query, storage.pool.k, storage.pool.v, out=output)
 
         read = (storage.pool.k, storage.pool.v, inputs.kmin, inputs.kmax, inputs.table, inputs.selected, scores)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from flexicache.config import FlexiCacheConfig
+from flexicache.key_basis import KeyBasis
 from flexicache.offload import OffloadedPages
 from flexicache.paging import PageMetadata, PagePool, ResidentPages, chunk_tokens
 from flexicache.sequence import AppendPlan
@@ -59,6 +60,7 @@ class LayerStorage:
                                             host_pages=settings.reserved_pages)
             self.write_slots[:, self.stable_index] = self.offloaded.tail_slots()
         self._reserved_plan: AppendPlan | None = None  # the graphed step whose room reserve_graphed_step made
+        self.basis: KeyBasis | None = None  # the page boxes' axes (principal_bounds), set by the first chunk
 
     # ------------------------------------------------------------------------------------------------ append
 
@@ -90,8 +92,14 @@ class LayerStorage:
             self._reserved_plan = plan
 
     def append_chunk(self, keys: torch.Tensor, values: torch.Tensor, plan: AppendPlan) -> None:
-        """Append a chunk of several tokens ``[B, H, T, D]`` to both head classes following ``plan``."""
-        self.meta.append(chunk_tokens(keys, plan), plan)
+        """Append a chunk of several tokens ``[B, H, T, D]`` to both head classes following ``plan`` (the first
+        chunk also sets the page boxes' axes, with ``principal_bounds``)."""
+        if self.settings.principal_bounds and self.basis is None:
+            valid = torch.zeros(keys.shape[0], keys.shape[2], dtype=torch.bool, device=keys.device)
+            valid[plan.batch, plan.chunk_pos] = True
+            with torch.inference_mode(False):  # kept across calls
+                self.basis = KeyBasis.principal_axes(keys.detach(), valid)
+        self.meta.append(chunk_tokens(keys if self.basis is None else self.basis.chunk(keys), plan), plan)
         if self.resident is not None:
             self.resident.append(chunk_tokens(keys.index_select(1, self.unstable_index), plan),
                                  chunk_tokens(values.index_select(1, self.unstable_index), plan), plan)
@@ -99,6 +107,14 @@ class LayerStorage:
         if self.offloaded is not None:
             self.offloaded.append_chunk(chunk_tokens(keys.index_select(1, self.stable_index), plan),
                                         chunk_tokens(values.index_select(1, self.stable_index), plan), plan)
+
+    def bound_token(self, keys: torch.Tensor) -> torch.Tensor:
+        """One token per row, ``keys [B, H, D]``, in the axes of the page boxes (as it is without a basis)."""
+        return keys if self.basis is None else self.basis.token(keys)
+
+    def bound_rows(self, query: torch.Tensor, heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Queries ``[B * h, G, D]`` of KV heads ``heads`` (``None``: all) in the axes of the page boxes."""
+        return query if self.basis is None else self.basis.rows(query, heads)
 
     def group_queries(self, query: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """``[B * h, G, D]`` queries of the KV heads ``heads`` from ``query [B, Hq, D]``."""
@@ -142,9 +158,11 @@ class LayerStorage:
         page_size = self.settings.page_size
         page_bytes = 2 * page_size * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()  # K + V
         used_pages = int(((num_tokens_host + page_size - 1) // page_size).sum())
+        basis_bytes = 0 if self.basis is None else self.basis.nbytes
         counts = {  # in use (pages of the requests' real tokens) and reserved (capacity included)
-            "device_kv_bytes": 0, "device_metadata_bytes": used_pages * self.num_kv_heads * page_bytes // page_size,
-            "device_reserved_bytes": self.pool.nbytes_reserved + self.meta.nbytes,
+            "device_kv_bytes": 0, "device_metadata_bytes": used_pages * self.num_kv_heads * page_bytes // page_size
+            + basis_bytes,
+            "device_reserved_bytes": self.pool.nbytes_reserved + self.meta.nbytes + basis_bytes,
             "host_kv_bytes": 0, "host_reserved_bytes": 0,
         }
         if self.resident is not None:

@@ -327,9 +327,9 @@ def list_pages(inputs: TableInputs, scores: torch.Tensor, flat: torch.Tensor | N
 
 
 @triton.jit(do_not_specialize=["num_heads", "meta_capacity"])
-def _append_token_kernel(keys_ptr, values_ptr, pool_k_ptr, pool_v_ptr, kmin_ptr, kmax_ptr, write_slots_ptr,
-                         page_ptr, offset_ptr, num_heads, meta_capacity,
-                         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _append_token_kernel(keys_ptr, values_ptr, bound_keys_ptr, pool_k_ptr, pool_v_ptr, kmin_ptr, kmax_ptr,
+                         write_slots_ptr, page_ptr, offset_ptr, num_heads, meta_capacity,
+                         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, SEPARATE_BOUNDS: tl.constexpr):
     row = tl.program_id(0)  # b * H + h
     batch = row // num_heads
     dims = tl.arange(0, HEAD_DIM)
@@ -341,18 +341,23 @@ def _append_token_kernel(keys_ptr, values_ptr, pool_k_ptr, pool_v_ptr, kmin_ptr,
     tl.store(pool_v_ptr + token + dims, value)
     meta = (row.to(tl.int64) * meta_capacity + tl.load(page_ptr + batch)) * HEAD_DIM + dims
     opens = offset == 0
+    if SEPARATE_BOUNDS:  # the key in the page boxes' axes, rounded to the metadata's dtype as torch rounds it
+        key = tl.load(bound_keys_ptr + row.to(tl.int64) * HEAD_DIM + dims).to(kmin_ptr.dtype.element_ty)
     tl.store(kmin_ptr + meta, tl.where(opens, key, tl.minimum(tl.load(kmin_ptr + meta), key)))
     tl.store(kmax_ptr + meta, tl.where(opens, key, tl.maximum(tl.load(kmax_ptr + meta), key)))
 
 
 def append_token(keys: torch.Tensor, values: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
                  kmin: torch.Tensor, kmax: torch.Tensor, write_slots: torch.Tensor, page: torch.Tensor,
-                 offset: torch.Tensor) -> None:
+                 offset: torch.Tensor, bound_keys: torch.Tensor | None = None) -> None:
     """Decode step of one layer in one launch: write each row's token (``keys``/``values`` ``[B, H, D]``) at
     ``offset [B]`` of pool slot ``write_slots [B, H]`` and fold its key into the min/max of page ``page [B]``
-    (``kmin``/``kmax`` ``[B, H, P, D]``; a page opening at offset 0 starts from the key)."""
+    (``kmin``/``kmax`` ``[B, H, P, D]``; a page opening at offset 0 starts from the key). ``bound_keys``
+    (``[B, H, D]``): the keys the boxes are kept in, when they differ from the stored ones (principal axes)."""
     batch, num_heads, head_dim = keys.shape
+    keys = keys.contiguous()
     _append_token_kernel[(batch * num_heads,)](
-        keys.contiguous(), values.contiguous(), pool_k, pool_v, kmin, kmax, write_slots, page, offset, num_heads,
-        kmin.shape[2], PAGE_SIZE=pool_k.shape[1], HEAD_DIM=head_dim,
+        keys, values.contiguous(), keys if bound_keys is None else bound_keys.contiguous(), pool_k, pool_v, kmin,
+        kmax, write_slots, page, offset, num_heads, kmin.shape[2], PAGE_SIZE=pool_k.shape[1], HEAD_DIM=head_dim,
+        SEPARATE_BOUNDS=bound_keys is not None,
     )

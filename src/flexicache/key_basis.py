@@ -1,0 +1,73 @@
+"""Page key boxes in each head's principal axes (``principal_bounds=True``).
+
+A page's score comes from the element-wise min/max box of its keys. ``q . k`` is the same in any orthonormal basis
+(``q . k = (q R) . (k R)``), but the box is not: in the model's coordinates the keys of a page spread over most
+dimensions, and a box aligned with them is loose; in the principal axes of the head's keys most of the spread sits
+in a few axes and the box is tight in all others, so box scores rank pages closer to their true attention. The
+basis of every (request, KV head) is taken once, from the real keys of the request's first chunk (the prompt), and
+kept: boxes of later tokens are folded in the same axes, and a query is turned into them before scoring. Attention
+itself reads the stored keys and the query as they are.
+
+Shapes: ``B`` requests, ``H`` KV heads, ``D`` head dim; ``R`` (``[B, H, D, D]``, float32, float64 for float64 keys)
+holds each row's axes as columns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KeyBasis:
+    """Orthonormal axes ``matrix [B, H, D, D]`` of one layer's (request, KV head) rows; vectors turned into them come
+    out in its dtype (float32, or float64 for float64 keys)."""
+
+    def __init__(self, matrix: torch.Tensor) -> None:
+        self.matrix = matrix
+
+    @classmethod
+    def principal_axes(cls, keys: torch.Tensor, valid: torch.Tensor | None) -> KeyBasis:
+        """The principal axes of every row's real keys.
+
+        Args:
+            keys: ``[B, H, T, D]`` a first chunk's keys; valid: ``[B, T]`` bool, the real tokens (``None``: all).
+        """
+        batch_size, num_heads, length, head_dim = keys.shape
+        dtype = torch.promote_types(keys.dtype, torch.float32)
+        matrix = torch.empty(batch_size, num_heads, head_dim, head_dim, dtype=dtype, device=keys.device)
+        for request in range(batch_size):  # one covariance per request: padding differs between requests
+            real = keys[request] if valid is None else keys[request][:, valid[request].to(keys.device)]
+            real = real.to(dtype)
+            if real.shape[1] == 0:
+                matrix[request] = torch.eye(head_dim, dtype=dtype, device=keys.device)
+                continue
+            centred = real - real.mean(dim=1, keepdim=True)
+            _, axes = torch.linalg.eigh(torch.bmm(centred.transpose(1, 2), centred))  # [H, D, D], columns
+            matrix[request] = axes
+        return cls(matrix)
+
+    @property
+    def nbytes(self) -> int:
+        return self.matrix.numel() * self.matrix.element_size()
+
+    def chunk(self, keys: torch.Tensor) -> torch.Tensor:
+        """``keys [B, H, T, D]`` in the rows' axes."""
+        return torch.matmul(keys.to(self.matrix.dtype), self.matrix)
+
+    def token(self, keys: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per row, ``keys [B, H, D]``, in the rows' axes (into ``out [B, H, D]`` when given: a
+        CUDA graph's static buffer)."""
+        batch_size, num_heads, head_dim = keys.shape
+        rows = keys.to(self.matrix.dtype).reshape(batch_size * num_heads, 1, head_dim)
+        target = None if out is None else out.view(batch_size * num_heads, 1, head_dim)
+        return torch.bmm(rows, self.matrix.flatten(0, 1), out=target).view(batch_size, num_heads, head_dim)
+
+    def rows(self, query: torch.Tensor, heads: torch.Tensor | None = None, out: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """Queries ``[B * h, G, D]`` of the KV heads ``heads`` (``None``: all ``H``) in their rows' axes (into
+        ``out`` when given)."""
+        matrix = self.matrix if heads is None else self.matrix.index_select(1, heads)
+        return torch.bmm(query.to(self.matrix.dtype), matrix.flatten(0, 1), out=out)
+
+    def select(self, indices: torch.Tensor) -> KeyBasis:
+        """The basis of requests ``indices``, in that order (batch selection and repetition)."""
+        return KeyBasis(self.matrix.index_select(0, indices.to(self.matrix.device)))
