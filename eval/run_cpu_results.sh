@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU accuracy results of eval/RESULTS.md: per model, task and budget, dense | oracle pages | FlexiCache (its
-# defaults) | Quest's bound (spread_weight=1.0), budgets at context/8 and context/16, greedy decoding, fp32 on
+# defaults) | Quest's bound (spread_weight=1.0 in the model's axes), budgets at context/8 and context/16, greedy decoding, fp32 on
 # the CPU, one thread per process. Every folder resumes (finished samples are skipped), so the script can be
 # stopped and re-run. Usage: bash eval/run_cpu_results.sh [RESULTS_ROOT] [MODEL...]
 # (models: smollm2 qwen2.5-coder gemma3; default all three, in that order).
@@ -16,7 +16,7 @@ stdlib=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 eval_rows() {
     local model=$1 out=$2; shift 2
     local budgets=() quest=()
-    while [[ $1 != -- ]]; do budgets+=("$1"); quest+=("budget=$1,spread_weight=1.0"); shift; done
+    while [[ $1 != -- ]]; do budgets+=("$1"); quest+=("budget=$1,spread_weight=1.0,principal_bounds=false"); shift; done
     shift
     echo "+ flexicache eval --model $model --budget ${budgets[*]} --oracle --method ${quest[*]} $* --out $out"
     python -m flexicache.cli eval --model "$model" --device cpu --no-progress --budget "${budgets[@]}" --oracle \

@@ -50,7 +50,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
 
     def __init__(self, config: Any, profile: HeadProfile | str | os.PathLike | None = None, token_budget: int = 2048,
                  page_size: int = 16, rerank_interval: int = 16, group_reduce: str = "max",
-                 spread_weight: float = 0.5, principal_bounds: bool = False, backend: str = "auto",
+                 spread_weight: float = 0.5, principal_bounds: bool = True, backend: str = "auto",
                  cuda_graphs: bool = True, max_cache_len: int | None = None) -> None:
         self.settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size,
                                          rerank_interval=rerank_interval, group_reduce=group_reduce,

@@ -26,8 +26,8 @@ class FlexiCacheConfig:
             ``q . centre + spread_weight * |q| . radius`` of its key box (:func:`~flexicache.selection.quest_page_scores`);
             ``1.0`` is Quest's upper bound, ``0.5`` (the default) measured closer to dense attention (eval/RESULTS.md).
         principal_bounds: keep every page's key box in the principal axes of its (request, head)'s prompt keys
-            (:mod:`flexicache.key_basis`): tighter boxes, the same attention; costs a ``[D, D]`` basis per row and
-            two small matrix products per layer and step.
+            (:mod:`flexicache.key_basis`; the default): tighter boxes, the same attention; costs a ``[D, D]`` basis
+            per row and two small matrix products per layer and step. ``False``: boxes in the model's axes (Quest).
         backend: decode kernel: ``"auto"`` (FlashInfer on CUDA when installed, else the torch reference),
             ``"reference"`` or ``"flashinfer"``.
         cuda_graphs: on the CUDA + FlashInfer path, capture each layer's decode step (token append, scoring,
@@ -46,7 +46,7 @@ class FlexiCacheConfig:
     rerank_interval: int = 16
     group_reduce: Literal["max", "sum"] = "max"
     spread_weight: float = 0.5
-    principal_bounds: bool = False
+    principal_bounds: bool = True
     backend: BackendName = "auto"
     cuda_graphs: bool = True
     max_cache_len: int | None = None

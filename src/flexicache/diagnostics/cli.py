@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--page-size", type=int, default=16)
     add("--group-reduce", choices=["max", "sum"], default=FlexiCacheConfig.group_reduce)
     add("--spread-weight", type=float, default=FlexiCacheConfig.spread_weight,
-        help="FlexiCache's page score (1.0: Quest's bound; the 'quest' row always uses 1.0)")
+        help="FlexiCache's page score (1.0: Quest's bound; the 'quest' row always uses 1.0 in the model's axes)")
+    add("--model-axes", action="store_true", help="FlexiCache's boxes in the model's axes (principal_bounds=False)")
     add("--seed", type=int, default=0, help="seed of the passkey prompt")
     add("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     add("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
@@ -71,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.every < 1:
         raise SystemExit("--steps and --every must be positive")
     settings = FlexiCacheConfig(token_budget=min(args.budget), page_size=args.page_size,
-                                group_reduce=args.group_reduce, spread_weight=args.spread_weight)
+                                group_reduce=args.group_reduce, spread_weight=args.spread_weight,
+                                principal_bounds=not args.model_axes)
     device = resolve_device(args.device)
     model, tokenizer = load_model(args.model, args.gguf_file, device=device, dtype=resolve_dtype(args.dtype, device),
                                   attn_implementation="sdpa")

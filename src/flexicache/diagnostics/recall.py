@@ -23,12 +23,14 @@ Selector = Callable[["StepView"], torch.Tensor]
 @dataclass
 class StepView:
     """One decode step in rows ``r = layer * H + head``: ``query [R, G, D]``, ``keys``/``values`` ``[R, T, D]``
-    (float64), ``weights [R, G, T]`` the true attention (float64)."""
+    (float64), ``weights [R, G, T]`` the true attention (float64); the first ``prompt_tokens`` keys were the
+    prefill (a cache takes its principal axes from them)."""
 
     query: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
     weights: torch.Tensor
+    prompt_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -46,7 +48,7 @@ def step_view(trace: DecodeTrace, step: int) -> StepView:
     query = query.reshape(num_layers * num_heads, group, head_dim)
     scale = torch.tensor(trace.scaling, dtype=torch.float64).repeat_interleave(num_heads).view(-1, 1, 1)
     weights = torch.softmax(torch.bmm(query, keys.transpose(1, 2)) * scale, dim=-1)
-    return StepView(query * scale, keys, values, weights)
+    return StepView(query * scale, keys, values, weights, trace.prefill)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Recall and output error of page selections over a budget sweep, as JSON and PNG plots.
 
-For every budget: FlexiCache's selection with the given settings, Quest's bound (``spread_weight=1``) with the same
-page size, the oracle pages and the oracle tokens; per (layer, KV head) the mean over the traced steps of the
+For every budget: FlexiCache's selection with the given settings, Quest's bound (``spread_weight=1`` in the model's
+axes) with the same page size, the oracle pages and the oracle tokens; per (layer, KV head) the mean over the traced steps of the
 attention mass kept (recall) and of the attention output's relative error.
 """
 
@@ -27,7 +27,7 @@ def selections(settings: FlexiCacheConfig) -> dict[str, Selector]:
     budget, page_size = settings.token_budget, settings.page_size
     return {
         "flexicache": selectors.flexicache(settings),
-        "quest": selectors.flexicache(dataclasses.replace(settings, spread_weight=1.0)),
+        "quest": selectors.flexicache(dataclasses.replace(settings, spread_weight=1.0, principal_bounds=False)),
         "oracle_pages": selectors.oracle_pages(budget, page_size),
         "oracle_tokens": selectors.oracle_tokens(budget),
     }

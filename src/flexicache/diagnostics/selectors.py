@@ -11,6 +11,7 @@ import torch
 
 from flexicache.config import FlexiCacheConfig
 from flexicache.diagnostics.recall import Selector, StepView
+from flexicache.key_basis import KeyBasis
 from flexicache.oracle import oracle_token_mask
 from flexicache.profiling.pages import page_bounds
 from flexicache.selection import quest_page_scores, select_pages
@@ -25,12 +26,17 @@ def pages_to_tokens(pages: torch.Tensor, page_size: int, num_tokens: int) -> tor
 
 
 def flexicache(settings: FlexiCacheConfig) -> Selector:
-    """FlexiCache's selection with ``settings`` (page size, budget, group reduction, spread weight), scored afresh at
-    every step: each row's top pages by its box scores, sink and tail forced."""
+    """FlexiCache's selection with ``settings`` (page size, budget, group reduction, spread weight, principal axes
+    of the prompt's keys), scored afresh at every step: each row's top pages by its box scores, sink and tail
+    forced."""
 
     def select(view: StepView) -> torch.Tensor:
-        kmin, kmax = page_bounds(view.keys, settings.page_size)
-        scores = quest_page_scores(view.query, kmin, kmax, settings.group_reduce, settings.spread_weight)
+        keys, query = view.keys, view.query
+        if settings.principal_bounds:
+            basis = KeyBasis.principal_axes(keys[:, : max(view.prompt_tokens, 1)].unsqueeze(0), None)
+            keys, query = basis.chunk(keys.unsqueeze(0))[0], basis.rows(query)
+        kmin, kmax = page_bounds(keys, settings.page_size)
+        scores = quest_page_scores(query, kmin, kmax, settings.group_reduce, settings.spread_weight)
         counts = torch.full((scores.shape[0],), scores.shape[1], dtype=torch.long)
         pages, _ = select_pages(scores, counts, settings.pages_per_head, force_last=True)
         return pages_to_tokens(pages, settings.page_size, view.num_tokens)

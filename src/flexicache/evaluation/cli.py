@@ -116,7 +116,8 @@ def build_methods(model: Any, args: argparse.Namespace) -> list:
 
     # The settings a row leaves to FlexiCache's defaults are recorded too: a results folder is tied to them.
     defaults = {"page_size": args.page_size, "rerank_interval": args.rerank_interval,
-                "group_reduce": FlexiCacheConfig.group_reduce, "spread_weight": FlexiCacheConfig.spread_weight}
+                "group_reduce": FlexiCacheConfig.group_reduce, "spread_weight": FlexiCacheConfig.spread_weight,
+                "principal_bounds": FlexiCacheConfig.principal_bounds}
     methods = [DenseMethod(model)]
     if args.oracle:
         methods += [OracleMethod(model, budget, args.page_size) for budget in args.budget]
