@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=1,
                         help="generate up to N equal-length prompts of a task together (faster on a GPU; rows may "
                              "differ from batch 1 by floating-point rounding)")
+    parser.add_argument("--no-shared-prefill", action="store_true",
+                        help="run every method's own dense prefill of each prompt (by default one dense prefill per "
+                             "batch fills every method's cache: the same predictions, the prefill paid once)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     parser.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
     parser.add_argument("--hub-repo", default="THUDM/LongBench", help="hub dataset holding LongBench's data.zip")
@@ -195,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
             for sample in task.samples:
                 sample.stop_strings = tuple(args.stop_strings)
     summary = run_tasks(model, tokenizer, tasks, methods, out, args.decode_tail, progress=not args.no_progress,
-                        batch_size=args.batch_size)
+                        batch_size=args.batch_size, share_prefill=not args.no_shared_prefill)
     print(format_table(summary))
     print(f"\nresults in {out}/ (predictions/, metrics.json, table.md, config.json)")
     return 0

@@ -11,11 +11,14 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from flexicache.models import cache_keyword, input_device
+
+if TYPE_CHECKING:
+    from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 
 @functools.cache
@@ -38,7 +41,7 @@ def as_input(model: Any, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
     return torch.tensor([list(prompt) for prompt in prompts], device=input_device(model))
 
 
-def _prefill_length(prompt_length: int, decode_tail: int) -> int:
+def prefill_length(prompt_length: int, decode_tail: int) -> int:
     """Tokens of the dense prefill forward: all but the last ``decode_tail``, at least one."""
     return max(1, prompt_length - max(0, decode_tail))
 
@@ -49,11 +52,18 @@ def feed_prompt(model: Any, input_ids: torch.Tensor, cache: Any, decode_tail: in
     ``end`` (default: all) one per forward; only the last ``decode_tail`` tokens are fed singly. Returns the logits
     [batch, vocab] after the last token fed (None when ``end`` leaves nothing to feed)."""
     end = input_ids.shape[1] if end is None else end
-    split = min(_prefill_length(input_ids.shape[1], decode_tail), end)
+    split = min(prefill_length(input_ids.shape[1], decode_tail), end)
     if split <= 0:
         return None
     logits = forward(model, input_ids[:, :split], cache)
-    for position in range(split, end):
+    return feed_tokens(model, input_ids, cache, split, end, logits)
+
+
+def feed_tokens(model: Any, input_ids: torch.Tensor, cache: Any, start: int, end: int,
+                logits: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Feed ``input_ids[:, start:end]`` ([batch, length]) one token per forward into ``cache``, which holds the
+    first ``start`` tokens; returns the logits [batch, vocab] after the last one (``logits`` when none is fed)."""
+    for position in range(start, end):
         logits = forward(model, input_ids[:, position:position + 1], cache)
     return logits
 
@@ -95,25 +105,46 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], cache: Any, max_new_t
     are masked out for the first ``min_new_tokens`` steps. ``stop_strings`` need the ``tokenizer``. With a
     ``decode_tail``, the prompt but its last token is fed here and ``generate`` reads that last token alone.
     """
+    check_prompts(prompts, stop_strings, tokenizer)
+    input_ids = as_input(model, prompts)
+    if decode_tail > 0:
+        feed_prompt(model, input_ids, cache, decode_tail, end=input_ids.shape[1] - 1)
+    output = model_generate(model, input_ids, cache, max_new_tokens, stop_ids, min_new_tokens, stop_strings, tokenizer)
+    return [cut_at_stop(row, stop_ids, stop_strings, tokenizer) for row in output.tolist()]  # padding dropped
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], stop_strings: Sequence[str], tokenizer: Any) -> None:
+    """Raise ``ValueError`` unless ``prompts`` make one batch (one non-zero length) and stop strings come with a
+    tokenizer."""
     lengths = {len(prompt) for prompt in prompts}
     if len(lengths) != 1 or 0 in lengths:
         raise ValueError(f"prompts of one non-zero length make a batch, got lengths {sorted(lengths)}")
     if stop_strings and tokenizer is None:
         raise ValueError("stop_strings need the tokenizer: pass tokenizer=")
-    input_ids = as_input(model, prompts)
-    if decode_tail > 0:
-        feed_prompt(model, input_ids, cache, decode_tail, end=input_ids.shape[1] - 1)
+
+
+def pad_token(stop_ids: Collection[int]) -> int:
+    """What ``generate`` writes after a row's stop: its first stop token (0 without any: no row stops early then,
+    except by a stop string)."""
+    return min(stop_ids) if stop_ids else 0
+
+
+def model_generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tokens: int, stop_ids: Collection[int],
+                   min_new_tokens: int = 0, stop_strings: Sequence[str] = (), tokenizer: Any = None,
+                   stopping_criteria: StoppingCriteriaList | None = None) -> torch.Tensor:
+    """Greedy ``model.generate`` of ``input_ids`` [batch, length] over ``cache`` (which may already hold a prefix
+    of them: generate then runs only the rest); returns the new tokens [batch, steps], rows that stopped padded
+    with :func:`pad_token`. ``stopping_criteria``: criteria for generate besides the stop tokens and strings."""
     stops = sorted(stop_ids)  # eos_token_id=[]: no stop token (None would mean the model's own)
-    extra = {"stop_strings": list(stop_strings), "tokenizer": tokenizer} if stop_strings else {}
+    extra: dict[str, Any] = {"stop_strings": list(stop_strings), "tokenizer": tokenizer} if stop_strings else {}
     if stops:
         extra["min_new_tokens"] = min_new_tokens
-    # Rows of a batch that stopped are padded with pad_token_id (a stop token; with none, no row stops early):
-    # cut_at_stop drops that padding.
+    if stopping_criteria is not None:
+        extra["stopping_criteria"] = stopping_criteria
     output = model.generate(
         input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False,
-        num_beams=1, eos_token_id=stops, pad_token_id=stops[0] if stops else 0, **extra,
-        **{cache_keyword(model): cache})
-    return [cut_at_stop(row, stop_ids, stop_strings, tokenizer) for row in output[:, input_ids.shape[1]:].tolist()]
+        num_beams=1, eos_token_id=stops, pad_token_id=pad_token(stop_ids), **extra, **{cache_keyword(model): cache})
+    return output[:, input_ids.shape[1]:]
 
 
 @torch.no_grad()

@@ -30,15 +30,28 @@ def decode_nll(model: Any, ids: Sequence[int], cache: Any, prefill: int) -> tupl
     ``ids[:prefill]`` go in as one dense forward; every later token is fed alone and scored by the
     prediction made before it.
     """
+    check_prefill(ids, prefill)
+    logits = forward(model, as_input(model, [ids[:prefill]]), cache)[0]
+    return score_continuation(model, ids, cache, prefill, logits)
+
+
+def check_prefill(ids: Sequence[int], prefill: int) -> None:
+    """Raise ``ValueError`` unless ``prefill`` leaves at least one of ``ids`` to score."""
     if not 1 <= prefill < len(ids):
         raise ValueError(f"prefill must be in [1, {len(ids) - 1}], got {prefill}")
-    logits = forward(model, as_input(model, [ids[:prefill]]), cache)[0]
+
+
+@torch.no_grad()
+def score_continuation(model: Any, ids: Sequence[int], cache: Any, start: int, logits: torch.Tensor
+                       ) -> tuple[float, int]:
+    """Summed NLL (nats) of ``ids[start:]`` and its token count, ``cache`` holding ``ids[:start]`` and ``logits``
+    [vocab] the prediction after them: every later token is fed alone and scored by the prediction before it."""
     total = 0.0
-    for position in range(prefill, len(ids)):
+    for position in range(start, len(ids)):
         total -= float(torch.log_softmax(logits, dim=-1)[ids[position]])
         if position + 1 < len(ids):
             logits = forward(model, as_input(model, [[ids[position]]]), cache)[0]
-    return total, len(ids) - prefill
+    return total, len(ids) - start
 
 
 def perplexity(nll: float, tokens: int) -> float:

@@ -6,6 +6,12 @@ Layout of a results folder::
     predictions/<task>/<method>.jsonl   one record per sample, appended as soon as it is done
     metrics.json                        per task: scores, ratio to dense, fidelity, LongBench-E buckets, stats
     table.md                            the printed table
+
+A batch's dense prefill is run once and shared by the methods whose caches can take it (see
+:mod:`~flexicache.evaluation.shared_prefill`): their records hold ``prefill_seconds``, the wall time of that shared
+prefill (the same in every such record of the batch), and ``seconds``, the method's own time (filling its cache from
+the prefill, the rest of the prompt, the decode). A record without ``prefill_seconds`` comes from a method that ran
+its own prefill, and its ``seconds`` include it. Either way ``seconds`` and ``stats`` are the batch's.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from . import metrics
-from .generation import generate, newline_token, stop_tokens
+from .generation import as_input, generate, newline_token, stop_tokens
 from .methods import REFERENCE, CacheMethod, Method
-from .perplexity import decode_nll, perplexity
+from .perplexity import check_prefill, decode_nll, perplexity
+from .shared_prefill import DensePrefill, can_fill, decode_nll_from, generate_from, prefill_forward, prefill_generation
 from .tasks import Sample, Task
 
 __all__ = ["Method", "PredictionStore", "format_table", "run_tasks", "summarize"]
@@ -87,30 +94,79 @@ class PredictionStore:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def run_batch(model: Any, tokenizer: Any, task: Task, samples: Sequence[Sample], method: CacheMethod,
-              decode_tail: int, stop_ids: set[int], newline: int) -> list[dict[str, Any]]:
-    """Run samples (one, or several generation samples of one prompt length and stopping rule) under one
-    method, in one cache; returns their prediction records (``seconds`` and ``stats`` are the batch's)."""
-    cache = method.make_cache()
+def generation_settings(samples: Sequence[Sample], decode_tail: int, stop_ids: set[int], newline: int,
+                        tokenizer: Any) -> dict[str, Any]:
+    """The keyword arguments of :func:`~flexicache.evaluation.generation.generate` (and of the shared-prefill
+    functions) for a batch of generation samples, which share a length and a stopping rule."""
+    first = samples[0]
+    return {"max_new_tokens": first.max_new_tokens,
+            "stop_ids": stop_ids | {newline} if first.stop_at_newline else stop_ids,
+            "min_new_tokens": 1 if first.stop_at_newline else 0, "decode_tail": decode_tail,
+            "stop_strings": first.stop_strings, "tokenizer": tokenizer}
+
+
+def dense_prefill(model: Any, tokenizer: Any, task: Task, samples: Sequence[Sample], decode_tail: int,
+                  stop_ids: set[int], newline: int) -> DensePrefill | None:
+    """The dense prefill :func:`run_batch` would run for ``samples`` under any method, to share (None when this
+    model cannot share it)."""
+    if task.kind == "perplexity":
+        (sample,) = samples
+        check_prefill(sample.input_ids, sample.prefill)
+        return prefill_forward(model, as_input(model, [sample.input_ids[:sample.prefill]]))
+    return prefill_generation(model, [s.input_ids for s in samples],
+                              **generation_settings(samples, decode_tail, stop_ids, newline, tokenizer))
+
+
+def run_batch(model: Any, tokenizer: Any, task: Task, samples: Sequence[Sample], cache: Any, decode_tail: int,
+              stop_ids: set[int], newline: int, prefill: DensePrefill | None = None) -> list[dict[str, Any]]:
+    """Run samples (one, or several generation samples of one prompt length and stopping rule) in one fresh
+    ``cache``, from the shared ``prefill`` of these samples when given; returns their prediction records
+    (``seconds``, ``prefill_seconds`` and ``stats``: see the module docstring)."""
     start = time.perf_counter()
     records: list[dict[str, Any]] = [{"_id": s.id, "prompt_tokens": len(s.input_ids)} for s in samples]
     if task.kind == "perplexity":
         (sample,), (record,) = samples, records
-        nll, count = decode_nll(model, sample.input_ids, cache, sample.prefill)
+        if prefill is None:
+            nll, count = decode_nll(model, sample.input_ids, cache, sample.prefill)
+        else:
+            nll, count = decode_nll_from(model, sample.input_ids, cache, prefill)
         record.update(nll=nll, scored_tokens=count, ppl=perplexity(nll, count))
     else:
-        first = samples[0]
-        outputs = generate(model, [s.input_ids for s in samples], cache, first.max_new_tokens,
-                           stop_ids | {newline} if first.stop_at_newline else stop_ids,
-                           min_new_tokens=1 if first.stop_at_newline else 0, decode_tail=decode_tail,
-                           stop_strings=first.stop_strings, tokenizer=tokenizer)
+        prompts = [s.input_ids for s in samples]
+        settings = generation_settings(samples, decode_tail, stop_ids, newline, tokenizer)
+        if prefill is None:
+            outputs = generate(model, prompts, cache, **settings)
+        else:
+            outputs = generate_from(model, prompts, cache, prefill, **settings)
         for sample, record, tokens in zip(samples, records, outputs, strict=True):
             record.update(pred=tokenizer.decode(tokens, skip_special_tokens=True), tokens=tokens,
                           answers=sample.answers, **{k: v for k, v in sample.meta.items() if k in ("length",)})
     seconds, stats = round(time.perf_counter() - start, 3), cache_stats(cache)
+    shared = {} if prefill is None else {"prefill_seconds": round(prefill.seconds, 3)}
     for record in records:
-        record.update(batch_size=len(samples), seconds=seconds, stats=stats)
+        record.update(batch_size=len(samples), seconds=seconds, **shared, stats=stats)
     return records
+
+
+def run_methods(model: Any, tokenizer: Any, task: Task, samples: Sequence[Sample], methods: Sequence[CacheMethod],
+                decode_tail: int, stop_ids: set[int], newline: int, share_prefill: bool = True
+                ) -> Iterator[tuple[CacheMethod, list[dict[str, Any]]]]:
+    """Run ``samples`` under each of ``methods`` in turn; yields each method with its records as soon as it is done.
+
+    With ``share_prefill``, the dense prefill runs once, at the first method whose cache can be filled from it, and
+    serves every such method; the others (and all of them without ``share_prefill``) run their own.
+    """
+    prefill: DensePrefill | None = None
+    tried = False
+    for method in methods:
+        cache = method.make_cache()
+        fillable = share_prefill and can_fill(cache)
+        if fillable and not tried:
+            prefill, tried = dense_prefill(model, tokenizer, task, samples, decode_tail, stop_ids, newline), True
+        records = run_batch(model, tokenizer, task, samples, cache, decode_tail, stop_ids, newline,
+                            prefill if fillable else None)
+        del cache  # its memory comes back before the next method's cache is made
+        yield method, records
 
 
 def batches(task: Task, samples: Sequence[Sample], batch_size: int) -> Iterator[list[Sample]]:
@@ -130,11 +186,13 @@ def batches(task: Task, samples: Sequence[Sample], batch_size: int) -> Iterator[
 
 
 def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[Task], methods: Sequence[CacheMethod],
-              out_dir: str | Path, decode_tail: int = 0, progress: bool = True, batch_size: int = 1
-              ) -> dict[str, Any]:
+              out_dir: str | Path, decode_tail: int = 0, progress: bool = True, batch_size: int = 1,
+              share_prefill: bool = True) -> dict[str, Any]:
     """Predict every (task, sample, method) not already stored, then summarise; writes metrics.json and
     table.md and returns the summary. ``batch_size`` > 1 generates equal-length prompts of a task together
-    (faster on a GPU; a row's tokens may then differ from a batch of one by floating-point rounding)."""
+    (faster on a GPU; a row's tokens may then differ from a batch of one by floating-point rounding).
+    ``share_prefill``: one dense prefill per batch for the methods that still need that batch (see
+    :func:`run_methods`); the predictions are the same either way."""
     from tqdm.auto import tqdm
 
     store = PredictionStore(out_dir)
@@ -144,10 +202,10 @@ def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[Task], methods: Sequen
         done = {m.name: set(store.load(task.name, m.name)) for m in methods}
         with tqdm(total=len(task.samples), desc=task.name, disable=not progress, unit="sample") as bar:
             for batch in batches(task, task.samples, batch_size):
-                for method in methods:
-                    todo = [sample for sample in batch if sample.id not in done[method.name]]
-                    if todo:
-                        for record in run_batch(model, tokenizer, task, todo, method, decode_tail, stop_ids, newline):
+                for todo, group in pending_groups(batch, methods, done):
+                    for method, records in run_methods(model, tokenizer, task, todo, group, decode_tail, stop_ids,
+                                                       newline, share_prefill):
+                        for record in records:
                             store.append(task.name, method.name, record)
                 bar.update(len(batch))
     names = [m.name for m in methods]
@@ -156,6 +214,18 @@ def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[Task], methods: Sequen
     (out / "metrics.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     (out / "table.md").write_text(format_table(summary) + "\n", encoding="utf-8")
     return summary
+
+
+def pending_groups(batch: Sequence[Sample], methods: Sequence[CacheMethod], done: Mapping[str, set[str]]
+                   ) -> list[tuple[list[Sample], list[CacheMethod]]]:
+    """The methods that still lack some samples of ``batch`` (``done``: stored sample ids by method name), grouped
+    by the samples they lack, in the methods' order: each group runs those samples as one batch."""
+    groups: dict[tuple[str, ...], tuple[list[Sample], list[CacheMethod]]] = {}
+    for method in methods:
+        todo = [sample for sample in batch if sample.id not in done[method.name]]
+        if todo:
+            groups.setdefault(tuple(s.id for s in todo), (todo, []))[1].append(method)
+    return list(groups.values())
 
 
 # ---------------------------------------------------------------- summaries
