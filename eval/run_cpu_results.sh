@@ -3,12 +3,12 @@
 # defaults) | Quest's bound (spread_weight=1.0 in the model's axes), budgets at context/8 and context/16, greedy decoding, fp32 on
 # the CPU, one thread per process. Every folder resumes (finished samples are skipped), so the script can be
 # stopped and re-run. Usage: bash eval/run_cpu_results.sh [RESULTS_ROOT] [MODEL...]
-# (models: smollm2 qwen2.5-coder gemma3; default all three, in that order).
+# (models: smollm2 qwen2.5-coder gemma3, and levers: each page-scoring option's effect on SmolLM2; default all).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=${1:-eval/results/cpu}
 shift || true
-models=("${@:-smollm2 qwen2.5-coder gemma3}")
+models=("${@:-smollm2 levers qwen2.5-coder gemma3}")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 stdlib=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 
@@ -46,6 +46,19 @@ for model in ${models[@]}; do
             eval_rows gemma3 "$root/gemma3/synthetic-8k" 1024 512 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
             ;;
-        *) echo "unknown model $model (smollm2, qwen2.5-coder, gemma3)" >&2; exit 2 ;;
+        levers)  # SmolLM2, one budget: each option of the page selection on its own and combined
+            levers=(budget=256,spread_weight=1.0,principal_bounds=false budget=256,principal_bounds=false
+                    budget=256,spread_weight=1.0 budget=256,page_size=8 budget=256,group_reduce=sum
+                    budget=256,rerank_interval=1)
+            echo "+ levers: ppl"
+            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1024 --budget 256 \
+                --oracle --method "${levers[@]}" --out "$root/levers/ppl-2k"
+            echo "+ levers: niah_single_1 4k"
+            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite synthetic \
+                --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 --oracle \
+                --method "${levers[@]}" --out "$root/levers/niah-4k"
+            ;;
+        *) echo "unknown model $model (smollm2, levers, qwen2.5-coder, gemma3)" >&2; exit 2 ;;
     esac
 done

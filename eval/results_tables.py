@@ -1,0 +1,93 @@
+"""The accuracy tables of eval/RESULTS.md, from the stored results folders (each folder's metrics.json and
+config.json, as `flexicache eval` leaves them).
+
+One table per folder: a row per (task, budget) with dense, the oracle pages, FlexiCache (its defaults) and Quest's
+bound (``spread_weight=1.0,principal_bounds=false``), each as score and ratio to dense, the number of samples, and the
+folder's command; folders under ``levers/`` get one row per method instead (every setting they compare).
+``python eval/results_tables.py eval/results/cpu`` prints them; RESULTS.md quotes that output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+QUEST_SUFFIX = ",spread_weight=1.0,principal_bounds=False"
+
+
+def budgets_of(methods: list[str]) -> list[int]:
+    """The budgets of the folder's FlexiCache rows, descending."""
+    return sorted({int(m.split("@")[1].split(",")[0]) for m in methods if m.startswith("flexicache@")}, reverse=True)
+
+
+def cell(task: dict, method: str, lower_is_better: bool) -> str:
+    """``score (ratio)`` of one method, or ``-``."""
+    score = task["score"].get(method)
+    if score is None:
+        return "-"
+    ratio = task["ratio"].get(method)
+    text = f"{score:.2f}" if lower_is_better else f"{score:.1f}"
+    return text if ratio is None else f"{text} ({ratio:.3f})"
+
+
+def command_of(config: dict) -> str:
+    """The ``flexicache eval`` command a folder's config.json records (the options that differ from defaults)."""
+    parts = ["flexicache eval", f"--suite {config['suite']}", f"--model {config['model']}"]
+    for key in ("tasks", "lengths", "data", "limit", "context_length", "prefill", "max_new_tokens", "budget",
+                "method", "page_size"):
+        value = config.get(key)
+        if value in (None, [], False) or (key == "page_size" and value == 16):
+            continue
+        if key == "prefill" and config["suite"] != "ppl":
+            continue
+        values = value if isinstance(value, list) else [value]
+        values = [Path(str(v)).name if key == "data" else str(v) for v in values]
+        parts.append(f"--{key.replace('_', '-')} {' '.join(values)}")
+    if config.get("oracle"):
+        parts.append("--oracle")
+    parts.append(f"--out {config['out']}")
+    return " ".join(parts)
+
+
+def table(folder: Path) -> str:
+    """The markdown table of one results folder."""
+    metrics = json.loads((folder / "metrics.json").read_text())
+    config = json.loads((folder / "config.json").read_text())
+    budgets = budgets_of(metrics["methods"])
+    lines = ["| task | budget | n | dense | oracle pages | FlexiCache | Quest's bound |",
+             "|---|---|---|---|---|---|---|"]
+    for name, task in metrics["tasks"].items():
+        lower = task["kind"] == "perplexity"
+        for budget in budgets:
+            flexi = f"flexicache@{budget}"
+            lines.append(" | ".join([
+                f"| {name}", f"{budget}", str(task["n"].get(flexi, "-")), cell(task, "dense", lower),
+                cell(task, f"oracle@{budget}", lower), cell(task, flexi, lower),
+                cell(task, flexi + QUEST_SUFFIX, lower)]) + " |")
+    return "\n".join(lines) + f"\n\n`{command_of(config)}`"
+
+
+def lever_table(folder: Path) -> str:
+    """One row per method (every FlexiCache setting the folder holds), one column per task: score (ratio)."""
+    metrics = json.loads((folder / "metrics.json").read_text())
+    config = json.loads((folder / "config.json").read_text())
+    tasks = metrics["tasks"]
+    lines = ["| method | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+    for method in metrics["methods"]:
+        lines.append(f"| {method} | " + " | ".join(
+            cell(task, method, task["kind"] == "perplexity") for task in tasks.values()) + " |")
+    return "\n".join(lines) + f"\n\n`{command_of(config)}`"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("root", help="the folder holding <model>/<run>/ results folders")
+    root = Path(parser.parse_args().root)
+    for folder in sorted(path.parent for path in root.glob("*/*/metrics.json")):
+        render = lever_table if folder.parent.name == "levers" else table
+        print(f"### {folder.parent.name}: {folder.name}\n\n{render(folder)}\n")
+
+
+if __name__ == "__main__":
+    main()
