@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU accuracy results of eval/RESULTS.md: per model, task and budget, dense | oracle pages | FlexiCache (its
-# defaults) | Quest's bound (spread_weight=1.0 in the model's axes), budgets at context/8 and context/16, greedy decoding, fp32 on
-# the CPU, one thread per process. Every folder resumes (finished samples are skipped), so the script can be
+# defaults) | Quest's bound (spread_weight=1.0 in the model's axes), budgets at context/8 and context/16 (perplexity:
+# of the final context), greedy decoding, fp32 on the CPU, one thread per process. Every folder resumes (finished samples are skipped), so the script can be
 # stopped and re-run. Usage: bash eval/run_cpu_results.sh [RESULTS_ROOT] [MODEL...]
 # (models: smollm2 qwen2.5-coder gemma3, and levers: each page-scoring option's effect on SmolLM2; default all).
 set -euo pipefail
@@ -28,36 +28,35 @@ for model in ${models[@]}; do
         smollm2)  # 8k context window: synthetic retrieval at 4k and 8k
             eval_rows smollm2 "$root/smollm2/synthetic-4k" 512 256 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 4096 --limit 20 --max-new-tokens 24
-            eval_rows smollm2 "$root/smollm2/ppl-2k" 256 128 -- --suite ppl \
-                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1024
             python eval/build_lcc_set.py --count 20 --min-words 800 --max-words 1600 --out "$root/lcc_stdlib_20.jsonl"
             eval_rows smollm2 "$root/smollm2/lcc-4k" 512 256 -- --suite lcc --data "$root/lcc_stdlib_20.jsonl" \
                 --context-length 4096 --max-new-tokens 24
+            eval_rows smollm2 "$root/smollm2/ppl-1.5k" 192 96 -- --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024
             eval_rows smollm2 "$root/smollm2/synthetic-8k" 1024 512 -- --suite synthetic \
-                --tasks passkey niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24
+                --tasks passkey niah_single_1 --lengths 7680 --limit 10 --max-new-tokens 24
             ;;
         qwen2.5-coder)  # 32k context window: 8k prompts
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
-                --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
+                --tasks passkey niah_single_1 --lengths 8192 --limit 10 --max-new-tokens 24
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/lcc-8k" 1024 512 -- --suite lcc \
                 --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24
             ;;
         gemma3)  # hybrid: 5 sliding-window (512) layers per global layer; the budgets apply to the global layers
             eval_rows gemma3 "$root/gemma3/synthetic-8k" 1024 512 -- --suite synthetic \
-                --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
+                --tasks passkey niah_single_1 --lengths 8192 --limit 10 --max-new-tokens 24
             ;;
         levers)  # SmolLM2, one budget: each option of the page selection on its own and combined
-            levers=(budget=256,spread_weight=1.0,principal_bounds=false budget=256,principal_bounds=false
-                    budget=256,spread_weight=1.0 budget=256,page_size=8 budget=256,group_reduce=sum
-                    budget=256,rerank_interval=1)
+            levers=(spread_weight=1.0,principal_bounds=false principal_bounds=false spread_weight=1.0 page_size=8
+                    group_reduce=sum rerank_interval=1)
             echo "+ levers: ppl"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
-                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1024 --budget 256 \
-                --oracle --method "${levers[@]}" --out "$root/levers/ppl-2k"
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
+                --oracle --method "${levers[@]/#/budget=192,}" --out "$root/levers/ppl-1.5k"
             echo "+ levers: niah_single_1 4k"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite synthetic \
                 --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 --oracle \
-                --method "${levers[@]}" --out "$root/levers/niah-4k"
+                --method "${levers[@]/#/budget=256,}" --out "$root/levers/niah-4k"
             ;;
         *) echo "unknown model $model (smollm2, levers, qwen2.5-coder, gemma3)" >&2; exit 2 ;;
     esac
