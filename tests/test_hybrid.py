@@ -17,7 +17,7 @@ from hybrid_models import COMMON, EXPECTED_SPARSE, FAMILIES, HYBRID, WINDOW, fam
 from transformers import DynamicCache, Gemma2Config, GptOssConfig, Qwen3NextConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from flexicache import FlexiCache, FlexiLayer, HeadProfile, attention
+from flexicache import FlexiCache, FlexiLayer, attention
 from flexicache.hybrid import layer_kinds, sparse_layers
 from flexicache.parallel import BYTE_KEYS, kv_bytes_by_device
 from flexicache.sliding import SlidingWindowLayer
@@ -117,49 +117,6 @@ def test_model_without_full_attention_layers_warns_and_holds_dynamic_cache_windo
     stats = cache.stats()
     assert stats["device_kv_bytes"] == stats["dense_kv_bytes"] == stats["sliding_kv_bytes"] == dynamic_cache_bytes(dense)
     assert stats["host_kv_bytes"] == 0 and stats["decode_steps"] == 0 and stats["backend"] is None
-
-
-def test_default_profile_covers_the_full_attention_layers():
-    model = family_model("gemma3")
-    profile = HeadProfile.default(model.config, unstable_layers=1)
-    assert profile.sparse_layers == [2, 5] and profile.covered_layers() == [2, 5]
-    assert profile.unstable_heads == [(2, 0), (2, 1)]
-    assert "full-attention layers" in profile.calibration["source"]
-    cache = FlexiCache.from_model(model, token_budget=16, page_size=8)  # profile=None: the default
-    assert cache.profile.sparse_layers == [2, 5]
-    assert [layer.unstable_heads for layer in cache.layers if isinstance(layer, FlexiLayer)] == [[0, 1], [0, 1]]
-    full_attention = HeadProfile.default(family_model("phi3-long").config)
-    assert full_attention.sparse_layers is None and "sparse_layers" not in full_attention.to_dict()
-
-
-def test_profile_validation_against_layer_types(tmp_path):
-    config = family_model("gemma3").config
-    profile = HeadProfile(6, 2, 16, [(5, 1)], sparse_layers=[2, 5], scores=[None, None, [0.5, 0.4], None, None,
-                                                                            [0.3, 0.2]])
-    profile.validate_for(config)
-    profile.save(tmp_path / "p.json")
-    assert HeadProfile.load(tmp_path / "p.json") == profile
-    assert torch.isnan(profile.score_matrix()[0]).all() and profile.score_matrix()[5].tolist() == [0.3, 0.2]
-    with pytest.raises(ValueError, match="layers \\[3\\] are sliding-window layers"):
-        HeadProfile(6, 2, 16, [(3, 0)]).validate_for(config)  # a full-attention model's profile of the same shape
-    with pytest.raises(ValueError, match="covers the full-attention layers \\[0, 5\\]"):
-        HeadProfile(6, 2, 16, [], sparse_layers=[0, 5]).validate_for(config)
-    with pytest.raises(ValueError, match="does not cover"):
-        HeadProfile(6, 2, 16, [(1, 0)], sparse_layers=[2, 5])
-    with pytest.raises(ValueError, match="flexicache profile"):
-        FlexiCache(config, profile=HeadProfile(6, 2, 16, [(3, 0)]))
-
-
-def test_shard_profile_keeps_the_covered_layers():
-    from flexicache.parallel import shard_config, shard_profile
-
-    profile = HeadProfile(6, 2, 16, [(2, 1), (5, 0)], sparse_layers=[2, 5],
-                          scores=[None, None, [0.5, 0.4], None, None, [0.3, 0.2]])
-    shard = shard_profile(profile, 1, 2)
-    assert shard.sparse_layers == [2, 5] and shard.unstable_heads == [(2, 0)]
-    assert shard.scores == [None, None, [0.4], None, None, [0.2]]
-    config = shard_config(family_model("gemma3").config, 2)
-    FlexiCache(config, profile=shard, token_budget=16, page_size=8)  # validates against the local config
 
 
 def test_dense_chunks_do_not_warn_of_a_decode_without_flexicache(monkeypatch):

@@ -7,9 +7,9 @@ A decoder's ``layer_types`` (transformers' ``get_layer_types_and_kwargs``) say h
   the same cache (:class:`~flexicache.sliding.SlidingWindowLayer`, transformers' dynamic sliding layer) holds the
   window and attends densely through the mask transformers builds for that layer type;
 - except that when every sliding-window layer's window is at least ``max_position_embeddings`` (Phi-3 128k, whose
-  window of 262144 tokens exceeds every sequence the model is configured for), a sliding-window layer attends to
-  every token of any such sequence, i.e. it is a full-attention layer there: those layers are sparse paged too, and
-  the flexicache attention refuses a decode step past the window.
+  window of 262144 tokens exceeds every sequence the model is configured for; chunked layers never), a
+  sliding-window layer attends to every token of any such sequence, i.e. it is a full-attention layer there: those
+  layers are sparse paged too, and the flexicache attention refuses a sequence that passes the window.
 
 Any other layer type (linear attention, recurrent state, KV shared with another layer, ...) is refused, as are the
 features FlexiCache's sparse decode cannot compute (attention logit softcapping, learned attention sinks,
@@ -65,8 +65,10 @@ def layer_kinds(config: Any) -> list[LayerKind]:
     windows = [kwargs.get("sliding_window") for kwargs in layer_kwargs]
     limit = getattr(text_config, "max_position_embeddings", None)
     sliding = [window for kind, window in zip(layer_types, windows) if kind == "sliding_attention"]
-    # A window no sequence of the configured length can exceed is full attention for every such sequence.
-    covering = bool(sliding) and limit is not None and all(window >= limit for window in sliding)
+    # A window no sequence of the configured length can exceed is full attention for every such sequence. All sliding
+    # layers or none: the model builds one sliding mask, sized by the first layer the cache reports as sliding.
+    covering = (bool(sliding) and "chunked_attention" not in layer_types and limit is not None
+                and all(window >= limit for window in sliding))
     return [LayerKind(kind, window, kind == FULL or (covering and kind == "sliding_attention"))
             for kind, window in zip(layer_types, windows)]
 
