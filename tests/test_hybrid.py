@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import FakeAttention, checked, dynamic_cache_bytes, greedy, left_pad, random_prompt
 from hybrid_models import COMMON, EXPECTED_SPARSE, FAMILIES, HYBRID, WINDOW, family_model, stable_profile
-from transformers import DynamicCache, Gemma2Config, GptOssConfig, Qwen3NextConfig
+from transformers import DeepseekV3Config, DynamicCache, Gemma2Config, GptOssConfig, Qwen3NextConfig, T5Config
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from flexicache import FlexiCache, FlexiLayer, attention
@@ -217,6 +217,15 @@ def test_close_frees_sliding_layers_and_refuses_later_use():
         cache.stats()
 
 
+def test_another_batch_without_reset_is_refused_by_a_sliding_layer_too():
+    model = family_model("gemma3")  # layer 0 is a sliding-window layer
+    ids, mask = prompts()
+    cache = FlexiCache.from_model(model, token_budget=16, page_size=8)
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    with pytest.raises(ValueError, match="holds a batch of 2 requests, got 1: call cache.reset"):
+        model(input_ids=ids[:1, -5:], past_key_values=cache)
+
+
 def test_reset_clears_sliding_layers_for_the_next_batch():
     model = family_model("gemma2")
     ids, mask = prompts()
@@ -231,7 +240,9 @@ def test_reset_clears_sliding_layers_for_the_next_batch():
     (Gemma2Config(num_hidden_layers=2, **COMMON), "attn_logit_softcapping=50.0.*DynamicCache"),
     (GptOssConfig(num_hidden_layers=2, num_local_experts=2, **COMMON), "gpt_oss.*attention-sink"),
     (Qwen3NextConfig(num_hidden_layers=4, **COMMON), "linear_attention"),
-], ids=["gemma2-softcap", "gpt-oss-sinks", "qwen3-next-linear"])
+    (DeepseekV3Config(num_hidden_layers=2), "multi-head latent attention"),
+    (T5Config(), "encoder-decoder"),
+], ids=["gemma2-softcap", "gpt-oss-sinks", "qwen3-next-linear", "deepseek-v3-mla", "t5-encoder-decoder"])
 def test_refused_features(config, match):
     from flexicache.profiling.measure import tracing_cache
 
@@ -239,3 +250,21 @@ def test_refused_features(config, match):
         FlexiCache(config, token_budget=32, page_size=8)
     with pytest.raises(ValueError, match=match):  # the profiler refuses them alike
         tracing_cache(config)
+
+
+def test_model_families_table_names_tests_that_exist():
+    """Every row of README.md's "Model families" table names the tests that cover it, and they exist."""
+    import ast
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    section = (root / "README.md").read_text(encoding="utf-8").split("\n## Model families\n")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| family")]
+    assert len(rows) >= 10
+    for row in rows:
+        references = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", row.rsplit(" | ", 1)[-1])
+        assert references, f"a row names no test: {row[:60]}"
+        for path, name in references:
+            tree = ast.parse((root / path).read_text(encoding="utf-8"))
+            assert name in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}, (path, name)

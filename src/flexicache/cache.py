@@ -210,7 +210,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         ``device_reserved_bytes`` (all device tensors, capacity included),
         ``host_kv_bytes`` (stable heads' pages in the host tier), ``host_reserved_bytes``, ``dense_kv_bytes``
         (what DynamicCache would hold: full-attention layers' every token, sliding-window layers' window),
-        ``sliding_kv_bytes`` (the sliding-window layers' share of both, in a model that has such layers),
+        ``sliding_kv_bytes`` (the sliding-window layers' share of both; 0 in a model without such layers),
         ``reranks_unstable``/``reranks_stable`` (rows reranked: one row is one
         request x one KV head), ``promoted_pages``, ``bytes_h2d``/``bytes_d2h``, ``decode_steps``, ``backend``,
         ``step_graph_captures``/``step_graph_replays`` (decode steps recorded / replayed as whole-step CUDA graphs).
@@ -221,6 +221,8 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         for layer in self.layers:
             for name, value in layer.stats().items():
                 totals[name] = totals.get(name, 0) + value
+        if "device_kv_bytes" in totals:
+            totals.setdefault("sliding_kv_bytes", 0)  # a model without sliding-window layers
         layers = self._flexi_layers()
         totals["decode_steps"] = self.sequence.decode_steps
         backends = sorted({layer.backend.name for layer in layers if layer.is_initialized})

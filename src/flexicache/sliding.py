@@ -44,6 +44,11 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
         """
         if self.closed:
             raise RuntimeError(CLOSED_MESSAGE)
+        if self.is_initialized and self.keys.numel() and key_states.shape[0] != self.keys.shape[0]:
+            raise ValueError(
+                f"FlexiCache holds a batch of {self.keys.shape[0]} requests, got {key_states.shape[0]}: call "
+                "cache.reset() (or build a new FlexiCache) before starting another batch."
+            )
         start = self.get_seq_length()
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         handoff.stage_dense(self, self.layer_idx, start)
