@@ -268,3 +268,35 @@ def test_model_families_table_names_tests_that_exist():
         for path, name in references:
             tree = ast.parse((root / path).read_text(encoding="utf-8"))
             assert name in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}, (path, name)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2", "llama4", "mistral"])
+def test_masks_for_the_flexicache_attention_match_sdpa_per_layer_type(family):
+    """After the same prefill, every layer reports DynamicCache's mask sizes, and the masks transformers builds per
+    layer type under the "flexicache" name (its sdpa mask function) are sdpa's with DynamicCache: the sliding ones
+    over the window's keys, left padding included."""
+    from transformers.masking_utils import create_masks_for_generate
+
+    model = family_model(family)
+    ids, mask = prompts()
+    dense, cache = DynamicCache(config=model.config), new_cache(model, token_budget=16, page_size=8)
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask, past_key_values=dense)
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    layers = range(model.config.num_hidden_layers)
+    assert [cache.get_mask_sizes(1, i) for i in layers] == [dense.get_mask_sizes(1, i) for i in layers]
+    step = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+    embeds = torch.zeros(2, 1, model.config.hidden_size, dtype=torch.float64)
+    position = torch.full((2, 1), ids.shape[1])
+    ours = create_masks_for_generate(model.config, embeds, step, cache, position)
+    sdpa_config = type(model.config).from_dict(model.config.to_dict())
+    sdpa_config._attn_implementation = "sdpa"
+    theirs = create_masks_for_generate(sdpa_config, embeds, step, dense, position)
+    assert type(ours) is type(theirs)
+    for kind, expected in (theirs.items() if isinstance(theirs, dict) else [(None, theirs)]):
+        got = ours[kind] if kind is not None else ours
+        assert (got is None) == (expected is None), kind
+        if expected is not None:
+            assert torch.equal(got, expected), kind
+            windowed = kind in ("sliding_attention", "chunked_attention") or family == "mistral"
+            assert got.shape[-1] == (WINDOW if windowed else ids.shape[1] + 1), kind  # the window: W - 1 + 1 keys

@@ -37,7 +37,9 @@ from flexicache.step_graph import HYBRID_REFUSAL, StepGraphStore, SupportsStepGr
 
 NO_SPARSE_LAYERS_WARNING = (
     "This model has no full-attention layer (all {count} are sliding-window or chunked, windows {windows}): "
-    "FlexiCache keeps their windows as DynamicCache does and saves nothing. Use DynamicCache for it."
+    "FlexiCache keeps their windows as DynamicCache does and saves nothing. Use DynamicCache for it; or, if prompt + "
+    "new tokens stay within the window (where a sliding window sees every token), set config.sliding_window = None "
+    "and FlexiCache pages every layer with the same outputs."
 )
 
 
