@@ -109,5 +109,6 @@ def test_hybrid_generation_refuses_whole_step_graphs_once_and_keeps_layer_graphs
     assert len(refusals) == 1 and "sliding-window" in str(refusals[0].message)  # once per process
     stats = cache.stats()
     assert stats["step_graph_captures"] == stats["step_graph_replays"] == 0
-    assert all(isinstance(layer.path, GraphedDecode) for layer in cache.layers if isinstance(layer, FlexiLayer))
+    sparse = [layer for layer in cache.layers if isinstance(layer, FlexiLayer)]
+    assert all(isinstance(layer.path, GraphedDecode) and layer.graphed.graph.captures >= 1 for layer in sparse)
     assert torch.equal(tokens, expected)  # per-layer graphs decode as the eager kernels do

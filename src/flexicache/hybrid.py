@@ -55,14 +55,19 @@ def layer_kinds(config: Any) -> list[LayerKind]:
     ``full_attention``/``sliding_attention``/``chunked_attention`` raise, see :func:`check_supported_model`)."""
     text_config = text_config_of(config)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    if isinstance(layer_kwargs, dict):  # transformers before 5.24: one kwargs dict for all layers
+        layer_kwargs = [layer_kwargs] * len(layer_types)
     unsupported = sorted({kind for kind in layer_types if kind != FULL and kind not in WINDOWED})
+    if len(layer_types) != text_config.num_hidden_layers:  # older transformers leave out KV-sharing layers
+        unsupported.append("KV shared between layers")
     if unsupported:
         raise ValueError(
             f"FlexiCache serves full-attention layers (sparse pages) and sliding-window or chunked layers (their "
             f"window), but this model has {unsupported} layers (linear attention, recurrent state, KV shared "
             "between layers or another cache layout): use DynamicCache for this model."
         )
-    windows = [kwargs.get("sliding_window") for kwargs in layer_kwargs]
+    windows = [kwargs.get("sliding_window") if kind in WINDOWED else None
+               for kind, kwargs in zip(layer_types, layer_kwargs, strict=True)]
     limit = getattr(text_config, "max_position_embeddings", None)
     sliding = [window for kind, window in zip(layer_types, windows) if kind == "sliding_attention"]
     # A window no sequence of the configured length can exceed is full attention for every such sequence. All sliding

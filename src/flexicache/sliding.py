@@ -54,6 +54,12 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
         handoff.stage_dense(self, self.layer_idx, start)
         return keys, values
 
+    def reset(self) -> None:
+        """Drop the window (transformers before 5.24 zeroes it in place, and the next update would extend that)."""
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.cumulative_length = 0
+
     def close(self) -> None:
         """Drop the window now and refuse any later use."""
         self.reset()
