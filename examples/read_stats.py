@@ -33,9 +33,12 @@ EXPLANATIONS: dict[str, str] = {
                       "they rerank every decode step; every other head is stable",
     "decode_steps": "single-token decode forwards served sparsely (the prefill and multi-token chunks are dense)",
     "dense_kv_bytes": "what a dense DynamicCache would hold for the same tokens: "
-                      "2 (K,V) x layers x KV heads x tokens x head_dim x element size x batch",
+                      "2 (K,V) x layers x KV heads x tokens x head_dim x element size x batch (a sliding-window "
+                      "layer: its window's tokens)",
     "device_kv_bytes": "KV on the device: unstable heads' pages in use + stable heads' K page slots each (their "
                        "selected pages and the tail page); compare with dense_kv_bytes",
+    "sliding_kv_bytes": "the windows of sliding-window layers (a model that mixes layer types, e.g. Gemma 3), "
+                        "counted in device_kv_bytes and dense_kv_bytes alike; 0 without such layers",
     "device_metadata_bytes": "per-page key min/max of every head (two head_dim vectors per page, stable heads' host "
                              "pages included): what page scoring reads, never transferred",
     "device_reserved_bytes": "every device tensor of the cache, spare capacity included (the page pool grows in "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import Driver, FakeAttention, greedy, random_prompt, tiny_config, tiny_model
-from transformers import DynamicCache, MistralConfig, Qwen2Config
+from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM
 
 from flexicache import FlexiCache, FlexiCacheConfig, HeadProfile
 from flexicache.attention import ATTENTION_NAME, flexicache_attention_forward, real_tokens_of_chunk
@@ -138,18 +138,13 @@ def test_beam_search_is_refused():
                        do_sample=False)
 
 
-@pytest.mark.parametrize("config", [
-    MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, sliding_window=32),
-    Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=1),
-], ids=["mistral-sliding", "qwen2-sliding-layers"])
-def test_sliding_window_models_are_refused(config):
-    with pytest.raises(ValueError, match="full-attention layers only.*sliding_window = None"):
-        FlexiCache(config, token_budget=32, page_size=8)
-    model = tiny_model(config)
+def test_refused_model_is_not_switched():
+    """A model FlexiCache refuses (here Gemma 2 with its attention logit softcap) keeps its attention."""
+    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = Gemma2ForCausalLM(config)
     before = model.config._attn_implementation
-    with pytest.raises(ValueError, match="sliding"):
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
         FlexiCache.from_model(model, token_budget=32, page_size=8)
     assert model.config._attn_implementation == before, "a refused model must not be switched"
 

@@ -292,11 +292,18 @@ def run_tensor_parallel(tmp_path: Path, *, gpus: bool, head_dim: int, dtype: str
     config = tiny_config(group=2, num_kv_heads=4, num_layers=3, vocab_size=128, head_dim=head_dim,
                          initializer_range=initializer_range)
     model = tiny_model(config, seed=3)
-    model.save_pretrained(tmp_path / "model")
     ids, mask = left_pad([random_prompt(70, 1, vocab_size=128), random_prompt(55, 2, vocab_size=128)])
-    (tmp_path / "inputs.json").write_text(json.dumps({"input_ids": ids.tolist(), "attention_mask": mask.tolist()}))
     profile = HeadProfile(num_layers=3, num_kv_heads=4, head_dim=head_dim,
                           unstable_heads=[(0, 0), (0, 1), (0, 2), (0, 3), (1, 1), (1, 2)])
+    return model, ids, mask, profile, run_tensor_parallel_ranks(tmp_path, model, ids, mask, profile, gpus, dtype)
+
+
+def run_tensor_parallel_ranks(tmp_path: Path, model, ids: torch.Tensor, mask: torch.Tensor, profile: HeadProfile,
+                              gpus: bool, dtype: str) -> list[dict]:
+    """``model`` saved and generated on ``ids``/``mask`` with the full model's ``profile`` by 2 ``torchrun`` ranks of
+    tests/tp_worker.py; returns each rank's result."""
+    model.save_pretrained(tmp_path / "model")
+    (tmp_path / "inputs.json").write_text(json.dumps({"input_ids": ids.tolist(), "attention_mask": mask.tolist()}))
     profile.save(tmp_path / "profile.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(SRC)]))}
@@ -307,8 +314,7 @@ def run_tensor_parallel(tmp_path: Path, *, gpus: bool, head_dim: int, dtype: str
                "--page-size", "8", "--small-budget", "32", "--dtype", dtype]
     done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
-    return model, ids, mask, profile, ranks
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
 LOCAL_UNSTABLE = {0: [[0, 1], [1], []], 1: [[0, 1], [0], []]}  # model heads (1, 1) -> rank 0, (1, 2) -> rank 1

@@ -3,10 +3,10 @@
 Run as ``torchrun --standalone --nproc-per-node N tests/tp_worker.py MODEL_DIR OUT_DIR`` (``MODEL_DIR``: a saved
 model; CPU: gloo, with N GPUs: NCCL, one GPU per rank). Every rank loads the model with ``tp_plan="auto"``, builds
 its caches through :func:`flexicache.parallel.local_view` with the full model's profile from ``OUT_DIR/profile.json``
-and writes ``OUT_DIR/rank{r}.json``: for every run the generated tokens (``[B, L + new]`` lists), the heads its
-caches hold and the largest and relative logit differences from DynamicCache up to the first differing token (at a
-budget covering the context with the default backend and with the torch reference kernel, and at a small budget). A
-last run builds the small-budget cache with ``FlexiCache.from_model`` (on a GPU: whole-step CUDA graphs, which then
+and writes ``OUT_DIR/rank{r}.json``: for every run the generated tokens (``[B, L + new]`` lists), the KV heads
+its caches hold (sparse paged and sliding-window layers) and the largest and relative logit differences from
+DynamicCache up to the first differing token (at a budget covering the context with the default backend and with the
+torch reference kernel, and at a small budget). A last run builds the small-budget cache with ``FlexiCache.from_model`` (on a GPU: whole-step CUDA graphs, which then
 record the TP all-reduces too).
 """
 
@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import flexicache  # noqa: F401  (registers the "flexicache" attention)
-from flexicache import FlexiCache, HeadProfile
+from flexicache import FlexiCache, FlexiLayer, HeadProfile
 from flexicache.parallel import kv_bytes_by_device, local_view, tensor_parallel_shard
 
 
@@ -85,12 +85,14 @@ def main() -> None:
             cache = FlexiCache(config, profile=local_profile, token_budget=budget, backend=backend, **settings)
         tokens, logits = generate(model, inputs, cache, args.new_tokens)
         stats = cache.stats()
+        sparse = [layer for layer in cache.layers if isinstance(layer, FlexiLayer)]  # sliding-window layers aside
         result[name] = {
             "tokens": tokens.tolist(),
             **logit_differences(tokens, logits, dense, dense_logits, context),
-            "kv_heads": [layer.num_kv_heads for layer in cache.layers],
-            "unstable_heads": [layer.unstable_heads for layer in cache.layers],
-            "stored_kv_heads": [int(layer.storage.meta.kmin.shape[1]) for layer in cache.layers],
+            "kv_heads": [layer.num_kv_heads for layer in sparse],
+            "unstable_heads": [layer.unstable_heads for layer in sparse],
+            "stored_kv_heads": [int(layer.storage.meta.kmin.shape[1]) for layer in sparse],
+            "window_kv_heads": [int(layer.keys.shape[1]) for layer in cache.layers if layer not in sparse],
             "reranks_stable": stats["reranks_stable"],
             "bytes_by_device": kv_bytes_by_device(cache),
             "dense_kv_bytes": stats["dense_kv_bytes"],

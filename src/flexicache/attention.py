@@ -2,7 +2,14 @@
 
 Prefill chunks (several query tokens) run dense sdpa and are committed into the cache's pages afterwards; a
 single-token decode step on a non-empty FlexiCache runs the layer's sparse paged decode. The chunk comes from the
-cache's ``update`` through :mod:`flexicache.handoff`. Without a FlexiCache in the forward the function is sdpa.
+cache's ``update`` through :mod:`flexicache.handoff`. A sliding-window layer of a hybrid model stages a dense chunk:
+its attention is sdpa over its window, with the mask transformers built for its layer type. Without a FlexiCache in
+the forward the function is sdpa.
+
+Attention features beyond a scaled softmax are refused per feature (:func:`check_attention_kwargs`): logit
+softcapping and learned sinks (neither the sparse decode nor sdpa computes them); a sliding window on a sparse layer
+only while the sequence fits in it (see :mod:`flexicache.hybrid`). The softmax scale is the one the model passes
+(e.g. Gemma's ``query_pre_attn_scalar ** -0.5``), in the dense and the sparse paths alike.
 """
 
 from __future__ import annotations
@@ -19,7 +26,11 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from flexicache import handoff
 
 ATTENTION_NAME = "flexicache"
-UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "sliding_window")
+UNSUPPORTED_KWARGS = {
+    "softcap": "attention logit softcapping (Gemma 2's attn_logit_softcapping)",
+    "s_aux": "learned attention sinks (gpt-oss)",
+    "sinks": "learned attention sinks",
+}
 DENSE_DECODE_WARNING = (
     "The model runs the \"flexicache\" attention, but no FlexiCache was passed: this decode step (and every later "
     "one) attends densely over the whole context, like sdpa. Pass a cache to generate: "
@@ -83,9 +94,10 @@ def flexicache_attention_forward(
         _warn_dense_decode(query, key)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
-    for name in UNSUPPORTED_KWARGS:
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"FlexiCache does not support attention with `{name}`; use DynamicCache.")
+    check_attention_kwargs(kwargs, chunk)
+    if chunk.dense:  # a sliding-window layer: its window, its mask
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     with on_device(query.device):  # kernels launch on the current CUDA device: make it this layer's
         if chunk.is_decode:
@@ -93,6 +105,29 @@ def flexicache_attention_forward(
         real = real_tokens_of_chunk(attention_mask, chunk.logical_start, chunk.keys.shape[2])
         layer.commit(chunk, query, real_tokens=real)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scale, dropout=dropout, **kwargs)
+
+
+def check_attention_kwargs(kwargs: dict[str, Any], chunk: handoff.StagedChunk) -> None:
+    """Refuse what the attention of a FlexiCache layer cannot compute, naming the feature.
+
+    A sparse layer that receives a ``sliding_window`` (a sliding-window layer served as full attention because its
+    window covers ``max_position_embeddings``) attends to every token: that is its window only while the sequence
+    (padding included, as the model's mask counts it) fits in the window.
+    """
+    for name, feature in UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"FlexiCache does not support {feature} (the attention received `{name}`): use DynamicCache with "
+                "this model's own attention implementation."
+            )
+    window = kwargs.get("sliding_window")
+    if window is not None and not chunk.dense and chunk.logical_start + chunk.keys.shape[2] > window:
+        raise ValueError(
+            f"Layer {chunk.layer_idx} is a sliding-window layer (window {window}) that FlexiCache serves as full "
+            f"attention, since its window covers the model's max_position_embeddings; this sequence reached "
+            f"{chunk.logical_start + chunk.keys.shape[2]} positions, past the window, where the layer would no longer "
+            "see exactly its window. Keep prompt + new tokens within max_position_embeddings, or use DynamicCache."
+        )
 
 
 def register() -> None:

@@ -1,10 +1,12 @@
 """``FlexiCache``: a transformers cache with sparse per-head top-K page attention at decode.
 
-Each decoder layer is a :class:`~flexicache.layer.FlexiLayer` holding its KV heads in two classes (from a
-:class:`HeadProfile`): unstable heads keep every page on the device and rerank every decode step; stable heads keep
-only their selected pages plus the tail page on the device, the full KV in a host tier, and rerank every
-``rerank_interval`` steps. The cache holds what its layers share (the per-request bookkeeping, the decode backend per
-device, the whole-step graphs) and the operations on the whole batch (reset, crop, reorder, stats).
+Each full-attention decoder layer is a :class:`~flexicache.layer.FlexiLayer` holding its KV heads in two classes
+(from a :class:`HeadProfile`): unstable heads keep every page on the device and rerank every decode step; stable heads
+keep only their selected pages plus the tail page on the device, the full KV in a host tier, and rerank every
+``rerank_interval`` steps. In a model that mixes layer types, its sliding-window and chunked layers are
+:class:`~flexicache.sliding.SlidingWindowLayer` objects that keep exactly their window (:mod:`flexicache.hybrid`
+says which layer is which). The cache holds what its layers share (the per-request bookkeeping, the decode backend
+per device, the whole-step graphs) and the operations on the whole batch (reset, crop, reorder, stats).
 
 A cache nobody refers to is freed by reference counting alone, its host tier and device buffers with it;
 :meth:`FlexiCache.close` (or a ``with`` block) frees them at once.
@@ -13,22 +15,32 @@ A cache nobody refers to is freed by reference counting alone, its host tier and
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache
 
 from flexicache import attention, handoff
 from flexicache.backends import DecodeBackend, require_flashinfer_support
 from flexicache.config import FlexiCacheConfig, resolve_profile
 from flexicache.decode_graph import StepInputs
+from flexicache.hybrid import LayerKind, check_supported_model, layer_kinds
 from flexicache.layer import CLOSED_MESSAGE, FlexiLayer
 from flexicache.parallel import local_view
 from flexicache.profile import HeadProfile, model_shape
 from flexicache.sequence import SequenceState
-from flexicache.step_graph import StepGraphStore, SupportsStepGraphs, enable_step_graphs
+from flexicache.sliding import SlidingWindowLayer
+from flexicache.step_graph import HYBRID_REFUSAL, StepGraphStore, SupportsStepGraphs, enable_step_graphs
+
+NO_SPARSE_LAYERS_WARNING = (
+    "This model has no full-attention layer (all {count} are sliding-window or chunked, windows {windows}): "
+    "FlexiCache keeps their windows as DynamicCache does and saves nothing. Use DynamicCache for it; or, if prompt + "
+    "new tokens stay within the window (where a sliding window sees every token), set config.sliding_window = None "
+    "and FlexiCache pages every layer with the same outputs."
+)
 
 
 class FlexiCache(DynamicCache, SupportsStepGraphs):
@@ -65,17 +77,25 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
                                   "or use backend='auto'.")
             require_flashinfer_support(None, model_shape(config)[2])  # the KV dtype is known at the first forward
         self.profile = resolve_profile(profile, config)
-        num_layers, num_kv_heads, _ = model_shape(config)
+        _, num_kv_heads, _ = model_shape(config)
         self.sequence = SequenceState(page_size)
         self.backends: dict[torch.device, DecodeBackend] = {}  # one backend (and plan) per device, for all layers
         self.step_inputs: dict[torch.device, StepInputs] = {}  # per-step device inputs of the CUDA-graph path
+        kinds = layer_kinds(config)
         layers = [
             FlexiLayer(index, self.settings, self.profile.unstable_heads_of(index), num_kv_heads, self.sequence,
                        self.backends, self.step_inputs)
-            for index in range(num_layers)
+            if kind.sparse else SlidingWindowLayer(index, kind.window)
+            for index, kind in enumerate(kinds)
         ]
         Cache.__init__(self, layers=layers)
-        self.step_graphs = StepGraphStore(layers, self.sequence, self.settings.cuda_graphs)
+        hybrid = not all(kind.sparse for kind in kinds)
+        if not any(kind.sparse for kind in kinds):
+            warnings.warn(NO_SPARSE_LAYERS_WARNING.format(count=len(kinds), windows=sorted({k.window for k in kinds})),
+                          UserWarning, stacklevel=2)
+        self.step_graphs = StepGraphStore(self._flexi_layers(), self.sequence, self.settings.cuda_graphs,
+                                          refusal=HYBRID_REFUSAL if hybrid else None,
+                                          max_length=_covering_window(kinds))
         self.closed = False
 
     @classmethod
@@ -105,7 +125,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         """Free every buffer now (device pages, host tier, graphs); a closed cache refuses any later use. A cache
         nobody refers to is freed without this, when its last reference goes."""
         self.reset()
-        for layer in self._flexi_layers():
+        for layer in self.layers:
             layer.close()
         self.backends.clear()
         self.closed = True
@@ -119,6 +139,11 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
     def _flexi_layers(self) -> list[FlexiLayer]:
         """The cache's sparse paged layers (the others, if a model mixes layer types, keep their own semantics)."""
         return [layer for layer in self.layers if isinstance(layer, FlexiLayer)]
+
+    @property
+    def sparse_layer_indices(self) -> list[int]:
+        """The model layers this cache serves as sparse paged layers (the others are sliding-window layers)."""
+        return [index for index, layer in enumerate(self.layers) if isinstance(layer, FlexiLayer)]
 
     def _wait_for_zero_copy_kernels(self) -> None:
         """Queued zero-copy kernels may still use the pinned host tier about to be freed: wait for them."""
@@ -182,21 +207,25 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
     def stats(self) -> dict[str, Any]:
         """Memory and work counters, summed over layers.
 
-        Keys: ``device_kv_bytes`` (pages in use on the device: unstable heads' pages + stable heads' K slots),
-        ``device_metadata_bytes`` (page min/max of the pages in use), ``device_reserved_bytes`` (all device tensors,
-        capacity included),
+        Keys: ``device_kv_bytes`` (KV in use on the device: unstable heads' pages + stable heads' K slots, and the
+        windows of sliding-window layers), ``device_metadata_bytes`` (page min/max of the pages in use),
+        ``device_reserved_bytes`` (all device tensors, capacity included),
         ``host_kv_bytes`` (stable heads' pages in the host tier), ``host_reserved_bytes``, ``dense_kv_bytes``
-        (what DynamicCache would hold), ``reranks_unstable``/``reranks_stable`` (rows reranked: one row is one
+        (what DynamicCache would hold: full-attention layers' every token, sliding-window layers' window),
+        ``sliding_kv_bytes`` (the sliding-window layers' share of both; 0 in a model without such layers),
+        ``reranks_unstable``/``reranks_stable`` (rows reranked: one row is one
         request x one KV head), ``promoted_pages``, ``bytes_h2d``/``bytes_d2h``, ``decode_steps``, ``backend``,
         ``step_graph_captures``/``step_graph_replays`` (decode steps recorded / replayed as whole-step CUDA graphs).
         """
         if self.closed:
             raise RuntimeError(CLOSED_MESSAGE)
         totals: dict[str, Any] = {}
-        layers = self._flexi_layers()
-        for layer in layers:
+        for layer in self.layers:
             for name, value in layer.stats().items():
                 totals[name] = totals.get(name, 0) + value
+        if "device_kv_bytes" in totals:
+            totals.setdefault("sliding_kv_bytes", 0)  # a model without sliding-window layers
+        layers = self._flexi_layers()
         totals["decode_steps"] = self.sequence.decode_steps
         backends = sorted({layer.backend.name for layer in layers if layer.is_initialized})
         totals["backend"] = ",".join(backends) if backends else None  # e.g. "flashinfer,reference" on GPU + CPU
@@ -207,18 +236,8 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         return totals
 
 
-def check_supported_model(config: Any) -> None:
-    """Raise ``ValueError`` for models FlexiCache cannot serve (it needs full causal self-attention layers)."""
-    text_config = config.get_text_config(decoder=True)
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError("FlexiCache supports decoder-only models; encoder-decoder models need EncoderDecoderCache.")
-    if getattr(text_config, "kv_lora_rank", None):
-        raise ValueError("FlexiCache does not support multi-head latent attention (MLA) models; use DynamicCache.")
-    layer_types, _ = get_layer_types_and_kwargs(text_config)
-    unsupported = sorted({kind for kind in layer_types if kind != "full_attention"})
-    if unsupported:
-        raise ValueError(
-            f"FlexiCache supports full-attention layers only, but this model has {unsupported} layers "
-            "(sliding-window, chunked, linear or shared-KV attention). Use DynamicCache for this model, or, if the "
-            "checkpoint does not really need its sliding window, set config.sliding_window = None first."
-        )
+def _covering_window(kinds: list[LayerKind]) -> int | None:
+    """The smallest window of the sliding-window layers served as sparse layers (their window covers
+    ``max_position_embeddings``, see :mod:`flexicache.hybrid`), or ``None`` if there are none."""
+    windows = [kind.window for kind in kinds if kind.sparse and kind.window is not None]
+    return min(windows) if windows else None

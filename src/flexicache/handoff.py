@@ -3,7 +3,9 @@
 transformers calls ``cache.update(k, v, layer_idx)`` and then the attention function, which receives the module but
 not the cache. The layer therefore stages the chunk it received here (per thread) and the attention function takes it
 back, checking the layer index. A staged chunk that nobody takes means the model is not running the flexicache
-attention: the next :func:`stage` raises with instructions. Both sides import this module; it imports neither.
+attention: the next :func:`stage` raises with instructions. A layer that attends densely (a sliding-window layer of a
+hybrid model) stages a *dense* chunk (:func:`stage_dense`): no tokens, only the word that its attention is sdpa over
+what its ``update`` returned. Both sides import this module; it imports neither.
 """
 
 from __future__ import annotations
@@ -31,16 +33,18 @@ class ChunkConsumer(Protocol):
 
 @dataclass
 class StagedChunk:
-    """Keys/values ``[B, H, T, D]`` a layer's ``update`` received, waiting for the attention function.
+    """Keys/values ``[B, H, T, D]`` a layer's ``update`` received, waiting for the attention function; for a dense
+    chunk (``dense``) no keys/values: the attention runs sdpa over the ones ``update`` returned.
 
     The layer is held weakly: a chunk left behind by a failed forward does not keep a dropped cache's buffers alive.
     """
 
-    layer_ref: weakref.ref[ChunkConsumer]
+    layer_ref: weakref.ref[ChunkConsumer] | weakref.ref[object]  # an object for a dense chunk
     layer_idx: int
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
     logical_start: int
+    dense: bool = False
 
     @property
     def layer(self) -> ChunkConsumer | None:
@@ -56,8 +60,18 @@ _local = threading.local()
 
 def stage(layer: ChunkConsumer, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, logical_start: int) -> None:
     """Called by a layer's ``update``; fails if the previous layer's chunk was never attended to."""
+    _put(StagedChunk(weakref.ref(layer), layer_idx, keys, values, logical_start))
+
+
+def stage_dense(layer: object, layer_idx: int, logical_start: int) -> None:
+    """Called by the ``update`` of a cache layer that attends densely (its attention is sdpa with the model's mask);
+    fails like :func:`stage`."""
+    _put(StagedChunk(weakref.ref(layer), layer_idx, None, None, logical_start, dense=True))
+
+
+def _put(chunk: StagedChunk) -> None:
     previous = getattr(_local, "chunk", None)
-    _local.chunk = StagedChunk(weakref.ref(layer), layer_idx, keys, values, logical_start)
+    _local.chunk = chunk
     if previous is not None and previous.layer is not None:
         _local.chunk = None  # drop both: once the model is switched, the next forward must not fail again
         raise RuntimeError(

@@ -67,14 +67,15 @@ def shard_profile(profile: HeadProfile, rank: int, world_size: int) -> HeadProfi
     local_heads = profile.num_kv_heads // world_size
     first = rank * local_heads
     unstable = [(layer, head - first) for layer, head in profile.unstable_heads if first <= head < first + local_heads]
-    scores = None if profile.scores is None else [row[first:first + local_heads] for row in profile.scores]
+    scores = None if profile.scores is None else [None if row is None else row[first:first + local_heads]
+                                                  for row in profile.scores]
     shard = {"rank": rank, "world_size": world_size, "first_kv_head": first}
     return HeadProfile(
         num_layers=profile.num_layers, num_kv_heads=local_heads, head_dim=profile.head_dim, unstable_heads=unstable,
         model=profile.model, page_size=profile.page_size, token_budget=profile.token_budget,
         unstable_fraction=profile.unstable_fraction, scores=scores, calibration=copy.deepcopy(profile.calibration),
         model_info={**copy.deepcopy(profile.model_info), "tensor_parallel": shard},
-        format_version=profile.format_version,
+        sparse_layers=profile.sparse_layers, format_version=profile.format_version,
     )
 
 
@@ -140,7 +141,8 @@ def kv_bytes_by_device(cache: Cache) -> dict[str, dict[str, int]]:
     FlexiCache that live there.
 
     A layer counts under the device its pages live on (``layer.device``); its host tier's bytes count under that
-    device too. Layers that hold nothing yet are skipped.
+    device too. The sliding-window layers of a hybrid model count their window as device KV on their device. Layers
+    that hold nothing yet are skipped.
     """
     totals: dict[str, dict[str, int]] = {}
     for layer in cache.layers:

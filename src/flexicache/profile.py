@@ -1,4 +1,10 @@
-"""``HeadProfile``: which (layer, KV head) pairs are temporally unstable, saved as human-readable JSON."""
+"""``HeadProfile``: which (layer, KV head) pairs are temporally unstable, saved as human-readable JSON.
+
+A profile covers the layers FlexiCache serves as sparse paged layers (:func:`flexicache.hybrid.sparse_layers`): every
+layer of a full-attention model; in a model that mixes layer types (Gemma 3, Qwen2 with sliding layers, ...) its
+full-attention layers only, listed in ``sparse_layers``. Layer indices are the model's throughout (as the cache and
+``module.layer_idx`` count them); the other layers' rows of ``scores`` are ``null``.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from typing import Any
 
 import torch
 
+from flexicache.hybrid import sparse_layers
 from flexicache.profiles import PROFILES_DIR, shipped_profile_path
 
 PROFILE_FORMAT_VERSION = 1
@@ -38,9 +45,11 @@ class HeadProfile:
     """The unstable KV heads of one model, plus how they were measured.
 
     Unstable heads keep every page on the device and rerank every decode step; all other heads are stable.
-    ``scores[layer][head]`` is the head's mean random-corrected top-K overlap when the profiler produced it.
-    ``calibration`` describes the data, settings, command and reports of the profiling run; ``model_info`` the
-    model beyond its shape (architecture, query heads, GGUF file, dtype).
+    ``scores[layer][head]`` is the head's mean random-corrected top-K overlap when the profiler produced it (``None``
+    rows for layers the profile does not cover). ``calibration`` describes the data, settings, command and reports of
+    the profiling run; ``model_info`` the model beyond its shape (architecture, query heads, GGUF file, dtype).
+    ``sparse_layers``: the layers the profile covers, in a model that also has sliding-window layers (``None``: every
+    layer); unstable heads lie in them.
     """
 
     num_layers: int
@@ -51,9 +60,10 @@ class HeadProfile:
     page_size: int | None = None
     token_budget: int | None = None
     unstable_fraction: float | None = None
-    scores: list[list[float]] | None = None
+    scores: list[list[float] | None] | None = None
     calibration: dict[str, Any] = field(default_factory=dict)
     model_info: dict[str, Any] = field(default_factory=dict)
+    sparse_layers: list[int] | None = None
     format_version: int = PROFILE_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -64,23 +74,48 @@ class HeadProfile:
                     f"HeadProfile lists unstable head (layer={layer}, head={head}) outside the profiled shape "
                     f"({self.num_layers} layers x {self.num_kv_heads} KV heads)."
                 )
+        if self.sparse_layers is not None:
+            self.sparse_layers = sorted({int(layer) for layer in self.sparse_layers})
+            if any(not 0 <= layer < self.num_layers for layer in self.sparse_layers):
+                raise ValueError(f"HeadProfile covers layers {self.sparse_layers}, outside its {self.num_layers} "
+                                 "layers.")
+            outside = sorted({layer for layer, _ in self.unstable_heads} - set(self.sparse_layers))
+            if outside:
+                raise ValueError(f"HeadProfile lists unstable heads in layers {outside}, which it does not cover "
+                                 f"(sparse_layers={self.sparse_layers}).")
+
+    def covered_layers(self) -> list[int]:
+        """The model layers this profile covers (its ``sparse_layers``, or every layer)."""
+        return list(range(self.num_layers)) if self.sparse_layers is None else list(self.sparse_layers)
+
+    def score_matrix(self) -> torch.Tensor:
+        """``[num_layers, num_kv_heads]`` float64 stability scores, ``nan`` in the rows of layers not covered."""
+        if self.scores is None:
+            raise ValueError("This HeadProfile has no per-head scores; profile the model with `flexicache profile`.")
+        nan_row = [float("nan")] * self.num_kv_heads
+        return torch.tensor([nan_row if row is None else row for row in self.scores], dtype=torch.float64)
 
     @classmethod
     def default(cls, config: Any, unstable_layers: int = DEFAULT_UNSTABLE_LAYERS) -> HeadProfile:
-        """Profile used when none is given: every head of the first ``unstable_layers`` layers is unstable.
+        """Profile used when none is given: every head of the first ``unstable_layers`` sparse layers is unstable.
 
         Early layers attend broadly and change focus from token to token (Quest keeps its first two layers dense
-        for the same reason); all deeper heads are treated as stable. Profile the model for a better split.
+        for the same reason); all deeper heads are treated as stable. In a model with sliding-window layers the
+        count is over its full-attention layers (the ones the profile covers): with few of them (Gemma 3 has one in
+        six) most stay resident. Profile the model for a better split.
         """
         num_layers, num_kv_heads, head_dim = model_shape(config)
-        unstable = [(layer, head) for layer in range(min(unstable_layers, num_layers)) for head in range(num_kv_heads)]
+        covered = sparse_layers(config)
+        unstable = [(layer, head) for layer in covered[:unstable_layers] for head in range(num_kv_heads)]
+        kind = "layers" if len(covered) == num_layers else "full-attention layers"
         return cls(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             unstable_heads=unstable,
             model=getattr(config, "_name_or_path", "") or "",
-            calibration={"source": f"default: all heads of the first {unstable_layers} layers unstable"},
+            calibration={"source": f"default: all heads of the first {unstable_layers} {kind} unstable"},
+            sparse_layers=None if len(covered) == num_layers else covered,
         )
 
     def unstable_mask(self) -> torch.Tensor:
@@ -95,19 +130,33 @@ class HeadProfile:
         return [head for layer, head in self.unstable_heads if layer == layer_idx]
 
     def validate_for(self, config: Any) -> None:
-        """Raise ``ValueError`` if this profile was made for a model of another shape."""
+        """Raise ``ValueError`` if this profile was made for a model of another shape or other layer types."""
         shape = model_shape(config)
+        advice = "Profile this model with `flexicache profile` or pass profile=None for the default."
         if shape != (self.num_layers, self.num_kv_heads, self.head_dim):
             raise ValueError(
                 f"This HeadProfile was made for a model with {self.num_layers} layers, {self.num_kv_heads} KV heads "
                 f"and head_dim {self.head_dim} (model {self.model!r}), but the model has {shape[0]} layers, "
-                f"{shape[1]} KV heads and head_dim {shape[2]}. Profile this model with `flexicache profile` "
-                "or pass profile=None for the default."
+                f"{shape[1]} KV heads and head_dim {shape[2]}. {advice}"
+            )
+        sparse = sparse_layers(config)
+        if self.sparse_layers is not None and self.sparse_layers != sparse:
+            raise ValueError(
+                f"This HeadProfile covers the full-attention layers {self.sparse_layers} of model {self.model!r}, but "
+                f"this model's full-attention (sparse paged) layers are {sparse}. {advice}"
+            )
+        windowed = sorted({layer for layer, _ in self.unstable_heads} - set(sparse))
+        if windowed:
+            raise ValueError(
+                f"This HeadProfile marks heads of layers {windowed} unstable, but this model's layers {windowed} are "
+                f"sliding-window layers (FlexiCache pages its full-attention layers {sparse} only). {advice}"
             )
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["unstable_heads"] = [list(pair) for pair in self.unstable_heads]
+        if self.sparse_layers is None:  # a full-attention model's profile reads as before
+            del data["sparse_layers"]
         return data
 
     @classmethod

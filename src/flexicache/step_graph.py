@@ -27,7 +27,8 @@ caller passes neither ``position_ids`` nor ``cache_position`` (a hand-written de
 the cache length, as the model would. Whatever else the forward computes on the host is frozen into the graph: a
 forward that reads the device from the host (e.g. data-dependent control flow) cannot be captured, and the cache
 then falls back to eager steps with a warning. Every other call (prefill, another cache, layers on the CPU or on
-several GPUs, ``cuda_graphs=False``) runs the model's forward unchanged. Graphs belong to one cache: a new cache
+several GPUs, ``cuda_graphs=False``, a model with sliding-window layers: :data:`HYBRID_REFUSAL`) runs the model's
+forward unchanged. Graphs belong to one cache: a new cache
 records them again, so generations shorter than about two rerank intervals gain nothing.
 
 A cache takes part by deriving from :class:`SupportsStepGraphs` (its :class:`StepGraphStore` drives its layers through
@@ -90,19 +91,26 @@ class StepGraphStore:
 
     Args:
         enabled: the cache's ``cuda_graphs`` setting.
+        refusal: why this cache's steps never run from whole-step graphs (a hybrid model, see
+            :data:`HYBRID_REFUSAL`), warned once per process at the first decode step on CUDA; ``None``: they may.
+        max_length: logical positions past which steps run eagerly (the flexicache attention then checks the
+            sequence against a window it must stay within); ``None``: no limit.
     """
 
-    def __init__(self, layers: Sequence[StepLayer], sequence: SequenceState, enabled: bool) -> None:
+    def __init__(self, layers: Sequence[StepLayer], sequence: SequenceState, enabled: bool,
+                 refusal: str | None = None, max_length: int | None = None) -> None:
         self.layers = layers
         self.sequence = sequence
         self.enabled = enabled
+        self.refusal = refusal
+        self.max_length = max_length
         self.steps: dict[tuple, RecordedStep] = {}
         self.storage: tuple | None = None
         self.chunk: int | None = None  # the cache's chunk count after the last step run here
         self.pool: tuple | None = None  # one memory pool shared by the graphs (replayed one at a time)
         self.captures = 0
         self.replays = 0
-        self.disabled: str | None = None  # why this cache runs its steps eagerly (a forward that cannot be captured)
+        self.disabled = refusal  # why this cache runs its steps eagerly (hybrid model, forward that cannot be captured)
         self.next_reranks: tuple[AppendPlan, tuple[bool, ...]] | None = None  # prepare_next_step's, for its plan
 
     def clear(self) -> None:
@@ -120,7 +128,9 @@ class StepGraphStore:
     def ready(self) -> bool:
         """Whether the next decode step's device work can run from a whole-step CUDA graph: every layer, all on one
         CUDA device, ran a decode step on the CUDA graph path already (and can record the next one)."""
-        if not (self.enabled and self.sequence.num_tokens_host is not None):
+        if not (self.enabled and self.disabled is None and self.sequence.num_tokens_host is not None):
+            return False
+        if self.max_length is not None and self.sequence.logical_length >= self.max_length:
             return False
         page_size = self.sequence.page_size
         next_pages = (int(self.sequence.num_tokens_host.max()) + page_size) // page_size  # after one more token
@@ -192,6 +202,23 @@ class SupportsStepGraphs:
     step_graphs: StepGraphStore
 
 
+HYBRID_REFUSAL = (
+    "this model has sliding-window or chunked layers, and whole-step CUDA graphs cover models whose layers are all "
+    "sparse paged: a sliding layer's window is a new tensor every step (a recorded graph would read freed memory) and "
+    "its mask comes from the attention mask, which a recorded step does not take. Its decode steps run eagerly; the "
+    "full-attention layers keep their per-layer CUDA graphs"
+)
+_warned_refusals: set[str] = set()  # each refusal is warned once per process
+
+
+def _warn_refused(refusal: str, input_ids: torch.Tensor) -> None:
+    """Warn once that a cache refuses whole-step graphs, at a decode step (one token per request) on CUDA."""
+    if (refusal not in _warned_refusals and input_ids.device.type == "cuda" and input_ids.dim() == 2
+            and input_ids.shape[1] == 1):
+        _warned_refusals.add(refusal)
+        warnings.warn(f"FlexiCache: no whole-step CUDA graphs: {refusal}.", RuntimeWarning, stacklevel=3)
+
+
 def _single_cuda_device(layers: Sequence[StepLayer]) -> bool:
     """Whether every layer lives on one CUDA device (a graph is captured on one device)."""
     return layers[0].device.type == "cuda" and all(layer.device == layers[0].device for layer in layers)
@@ -211,6 +238,8 @@ class StepGraphs:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = next((value for value in kwargs.values() if isinstance(value, SupportsStepGraphs)), None)
         input_ids = kwargs.get("input_ids")
+        if cache is not None and cache.step_graphs.refusal is not None and torch.is_tensor(input_ids):
+            _warn_refused(cache.step_graphs.refusal, input_ids)
         if (args or cache is None or input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1
                 or kwargs.get("inputs_embeds") is not None or cache.step_graphs.disabled is not None
                 or input_ids.shape[0] != cache.step_graphs.sequence.batch_size  # the eager path says what is wrong

@@ -107,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)
-    print(f"wrote {out}: {len(profile.unstable_heads)} of {profile.num_layers * profile.num_kv_heads} heads unstable")
+    heads = len(profile.covered_layers()) * profile.num_kv_heads  # a hybrid model's full-attention layers only
+    print(f"wrote {out}: {len(profile.unstable_heads)} of {heads} heads unstable")
     print(format_reports(profile.calibration["reports"]))
     if args.plots:
         from flexicache.profiling.plots import plot_profile

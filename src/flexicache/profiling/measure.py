@@ -1,8 +1,10 @@
 """Dense decoding with per-step top-K page selection for every (layer, KV head): the profiler's raw data.
 
-Queries come from the probe attention function, keys from the ``DynamicCache``. Each step the per-page key
-min/max is updated for the tail page only, pages are scored with :func:`quest_page_scores` (the cache's scoring)
-and chosen with :func:`select_pages` (sink and tail forced), so the recorded sets are the ones the cache would use.
+Queries come from the probe attention function, keys from a ``DynamicCache``-like cache laid out as FlexiCache
+lays out the model (:func:`tracing_cache`). Each step the per-page key min/max is updated for the tail page only,
+pages are scored with :func:`quest_page_scores` (the cache's scoring) and chosen with :func:`select_pages` (sink and
+tail forced), so the recorded sets are the ones the cache would use. In a model with sliding-window layers only its
+sparse paged (full-attention) layers are measured: the ones a profile covers (:mod:`flexicache.hybrid`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
+from flexicache.hybrid import check_supported_model, layer_kinds
 from flexicache.models import cache_keyword
 from flexicache.profile import model_shape
 from flexicache.profiling.online import prompt_stability
@@ -58,7 +61,7 @@ class SampleTrace:
 
     task: str
     prompt_tokens: int
-    pages: torch.Tensor  # [S, L, H, K] int16 page indices, ascending, -1 padding
+    pages: torch.Tensor  # [S, L, H, K] int16 page indices, ascending, -1 padding (L: the measured layers)
     num_pages: torch.Tensor  # [S] int32 candidate pages at each step
     attention_pages: torch.Tensor | None = None  # [S, L, H, K] ranked by attention mass, if recorded
     prompt_estimate: torch.Tensor | None = None  # [L, H] stability estimated from the prompt tail, if recorded
@@ -102,13 +105,19 @@ def select_by_attention(
     return pages.view(batch, heads, -1)
 
 
-def check_supported(config: object) -> None:
-    """Raise ``ValueError`` for models whose KV cache is not one full-attention tensor per layer."""
-    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    layer_types = getattr(text_config, "layer_types", None) or []
-    others = sorted({kind for kind in layer_types if kind != "full_attention"})
-    if others:
-        raise ValueError(f"The profiler supports full-attention layers only; this model also has {others}.")
+def tracing_cache(config: object) -> tuple[Cache, list[int]]:
+    """``(cache, sparse layer indices)`` for the traced forward: the layers FlexiCache would serve sparsely hold every
+    key (``DynamicLayer``, to score pages over), the sliding-window layers their window (transformers' sliding layer),
+    so the model's outputs are the ones it has with FlexiCache at a covering budget. Raises like
+    :class:`~flexicache.FlexiCache` for models it cannot serve."""
+    check_supported_model(config)
+    kinds = layer_kinds(config)
+    if not any(kind.sparse for kind in kinds):
+        raise ValueError("This model has no full-attention layer (all are sliding-window or chunked): there is no "
+                         "head to profile, FlexiCache keeps every layer's window as DynamicCache does.")
+    layers = [DynamicLayer() if kind.sparse else DynamicSlidingWindowLayer(sliding_window=kind.window)
+              for kind in kinds]
+    return Cache(layers=layers), [index for index, kind in enumerate(kinds) if kind.sparse]
 
 
 @contextmanager
@@ -145,7 +154,8 @@ def trace_batch(
     tasks: Sequence[str] | None = None,
     on_step: Callable[[], None] | None = None,
 ) -> list[SampleTrace]:
-    """Prefill ``prompt_ids [B, T]`` (no padding), decode ``settings.steps`` tokens and record top-K sets.
+    """Prefill ``prompt_ids [B, T]`` (no padding), decode ``settings.steps`` tokens and record top-K sets of every
+    KV head of the sparse paged layers (all layers of a full-attention model; see :func:`tracing_cache`).
 
     Args:
         continuation: ``[B, >= steps]`` tokens to feed (teacher forcing); ``None`` decodes greedily.
@@ -153,10 +163,11 @@ def trace_batch(
         on_step: called after every decode step (progress reporting).
     """
     settings.validate()
-    check_supported(model.config)
+    cache, measured = tracing_cache(model.config)
     if continuation is not None and continuation.shape[1] < settings.steps:
         raise ValueError(f"continuation has {continuation.shape[1]} tokens, fewer than steps={settings.steps}")
-    num_layers, num_kv_heads, _ = model_shape(model.config)
+    _, num_kv_heads, _ = model_shape(model.config)
+    num_layers = len(measured)
     batch, prompt_len = prompt_ids.shape
     device = next(model.parameters()).device
     prompt_ids = prompt_ids.to(device)
@@ -165,19 +176,18 @@ def trace_batch(
     pages = torch.full((batch, steps, num_layers, num_kv_heads, k), -1, dtype=torch.int16)
     attention_pages = pages.clone() if settings.attention_mass else None
     num_pages = torch.zeros(steps, dtype=torch.int32)
-    cache = DynamicCache(config=model.config)
     cache_kw = {cache_keyword(model): cache}
     recorder = QueryRecorder(prefill_tail=settings.online_window)
     estimate = None
     with probing(model, recorder):
         logits = model(input_ids=prompt_ids, use_cache=True, logits_to_keep=1, **cache_kw).logits[:, -1]
         prefill_queries = recorder.pop()
-        keys = [cache.layers[layer].keys for layer in range(num_layers)]
+        keys = [cache.layers[layer].keys for layer in measured]
         if settings.online_window > 0:
             estimate = torch.stack([
-                prompt_stability(prefill_queries[layer], keys[layer], settings.token_budget, settings.page_size,
+                prompt_stability(prefill_queries[layer], layer_keys, settings.token_budget, settings.page_size,
                                  settings.max_distance, settings.group_reduce)
-                for layer in range(num_layers)
+                for layer, layer_keys in zip(measured, keys)
             ], dim=1)  # [B, L, H]
         bounds = PageBounds(torch.stack(keys), settings.page_size, prompt_len + steps)  # [L, B, H, P, D]
         tokens = _next_tokens(logits, continuation, 0, settings.ban_token_ids)
@@ -185,17 +195,17 @@ def trace_batch(
             logits = model(input_ids=tokens[:, None], use_cache=True, **cache_kw).logits[:, -1]
             queries = recorder.pop()
             with _single_threaded(device):
-                bounds.append(torch.stack([cache.layers[layer].keys[:, :, -1] for layer in range(num_layers)]))
-                query = torch.stack([queries[layer][:, :, 0] for layer in range(num_layers)])  # [L, B, Hq, D]
+                bounds.append(torch.stack([cache.layers[layer].keys[:, :, -1] for layer in measured]))
+                query = torch.stack([queries[layer][:, :, 0] for layer in measured])  # [L, B, Hq, D]
                 chosen = select_by_quest(query, *bounds.bounds(), k, settings.group_reduce)  # [L, B, H, K]
                 pages[:, step, :, :, : chosen.shape[-1]] = chosen.transpose(0, 1).to(torch.int16).cpu()
                 if attention_pages is not None:
-                    for layer in range(num_layers):
+                    for row, layer in enumerate(measured):
                         chosen = select_by_attention(
-                            query[layer], cache.layers[layer].keys, recorder.scaling[layer], settings.page_size, k,
+                            query[row], cache.layers[layer].keys, recorder.scaling[layer], settings.page_size, k,
                             settings.group_reduce,
                         )
-                        attention_pages[:, step, layer, :, : chosen.shape[-1]] = chosen.to(torch.int16).cpu()
+                        attention_pages[:, step, row, :, : chosen.shape[-1]] = chosen.to(torch.int16).cpu()
             num_pages[step] = bounds.num_pages
             if step + 1 < steps:
                 tokens = _next_tokens(logits, continuation, step + 1, settings.ban_token_ids)

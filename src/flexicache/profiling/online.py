@@ -105,14 +105,16 @@ def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def online_agreement(estimates: torch.Tensor, profile: HeadProfile) -> dict[str, Any]:
-    """How well prompt estimates ``[N, L, H]`` (``N`` requests) recover an offline profile's unstable heads.
+    """How well prompt estimates ``[N, L, H]`` (``N`` requests; ``L``: the layers the profile covers, see
+    :meth:`HeadProfile.covered_layers`) recover an offline profile's unstable heads.
 
     Each estimate's unstable set has as many heads as the profile's (lowest estimated scores). Returns the mean
     per-request overlap ``|estimated ∩ profile| / |profile|``, the overlap of the set from the mean estimate, the
     Spearman correlation of the mean estimate with the profile scores (when the profile has scores) and the overlap
     expected by chance.
     """
-    reference = profile.unstable_mask()
+    covered = profile.covered_layers()
+    reference = profile.unstable_mask()[covered]
     size = int(reference.sum())
     if estimates.shape[1:] != reference.shape:
         raise ValueError(f"estimates {tuple(estimates.shape)} do not match the profile shape {tuple(reference.shape)}")
@@ -132,6 +134,6 @@ def online_agreement(estimates: torch.Tensor, profile: HeadProfile) -> dict[str,
     }
     if profile.scores is not None:
         result["spearman_vs_profile_scores"] = _spearman(
-            mean_estimate.nan_to_num(nan=float("inf")), torch.tensor(profile.scores)
+            mean_estimate.nan_to_num(nan=float("inf")), profile.score_matrix()[covered]
         )
     return result

@@ -13,6 +13,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
+from flexicache.hybrid import sparse_layers
 from flexicache.profile import HeadProfile, model_shape
 from flexicache.profiling.data import CalibrationSample, EncodedSample, encode_sample
 from flexicache.profiling.measure import MeasureSettings, SampleTrace, trace_batch
@@ -104,6 +105,14 @@ def _model_info(config: Any, extra: dict[str, Any]) -> dict[str, Any]:
     return {**info, **extra}
 
 
+def _per_model_layer(rows: list[Any], traced: list[int], num_layers: int) -> list[Any]:
+    """Rows of the traced layers placed at their model layer index, ``None`` at the others."""
+    placed: list[Any] = [None] * num_layers
+    for layer, row in zip(traced, rows, strict=True):
+        placed[layer] = row
+    return placed
+
+
 def build_profile(
     config: Any,
     traces: Sequence[SampleTrace],
@@ -115,14 +124,19 @@ def build_profile(
 ) -> HeadProfile:
     """Classify heads from the traces and assemble the profile, with every report in ``calibration["reports"]``.
 
-    ``calibration`` (data description, command, ...) is merged into the profile's calibration dict.
+    The traces hold the sparse paged layers of the model (:func:`~flexicache.hybrid.sparse_layers`), the reports are
+    computed over them, and the profile names them by their model layer index. ``calibration`` (data description,
+    command, ...) is merged into the profile's calibration dict.
     """
     num_layers, num_kv_heads, head_dim = model_shape(config)
+    traced = sparse_layers(config)
     curves = sample_curves(traces, settings)
-    sample_scores = torch.stack([stability_score(curve) for curve in curves])  # [N, L, H]
-    if sample_scores.shape[1:] != (num_layers, num_kv_heads):
-        raise ValueError(f"traces have {tuple(sample_scores.shape[1:])} heads, the config {num_layers}x{num_kv_heads}")
+    sample_scores = torch.stack([stability_score(curve) for curve in curves])  # [N, traced layers, H]
+    if sample_scores.shape[1:] != (len(traced), num_kv_heads):
+        raise ValueError(f"traces have {tuple(sample_scores.shape[1:])} heads, the config's sparse paged layers "
+                         f"{len(traced)}x{num_kv_heads}")
     result = classify_heads(sample_scores, classify.fraction, classify.quantile)
+    unstable = [(traced[row], head) for row, head in result.unstable]  # model layer indices, most unstable first
     mask = result.unstable_mask()
     tasks = [trace.task for trace in traces]
     reports: dict[str, Any] = {
@@ -144,17 +158,19 @@ def build_profile(
                 classify_heads(attention_scores, classify.fraction, classify.quantile).unstable, result.unstable
             ),
         }
+    scores = _per_model_layer([[round(float(v), 6) for v in row] for row in result.scores], traced, num_layers)
     profile = HeadProfile(
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        unstable_heads=result.unstable,
+        unstable_heads=unstable,
         model=model_name,
         page_size=settings.page_size,
         token_budget=settings.token_budget,
         unstable_fraction=classify.fraction,
-        scores=[[round(float(v), 6) for v in row] for row in result.scores],
+        scores=scores,
         model_info=_model_info(config, model_info or {}),
+        sparse_layers=None if len(traced) == num_layers else traced,
     )
     estimates = [trace.prompt_estimate for trace in traces]
     if all(estimate is not None for estimate in estimates) and result.unstable:
@@ -165,8 +181,8 @@ def build_profile(
         "samples": {name: tasks.count(name) for name in names},
         "prompt_tokens": {name: sorted({t.prompt_tokens for t in traces if t.task == name}) for name in names},
         "settings": {**asdict(settings), **asdict(classify), "k": settings.k},
-        "bottom_quantile_counts": result.bottom_counts.tolist(),
-        "unstable_order": [list(pair) for pair in result.unstable],
+        "bottom_quantile_counts": _per_model_layer(result.bottom_counts.tolist(), traced, num_layers),
+        "unstable_order": [list(pair) for pair in unstable],
         "reports": reports,
         "environment": {
             "python": platform.python_version(),

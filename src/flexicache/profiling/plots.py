@@ -18,14 +18,15 @@ def _pyplot():
 
 
 def plot_stability_heatmap(profile: HeadProfile, path: str | os.PathLike) -> Path:
-    """Layers x KV heads heatmap of the stability scores; unstable heads are marked with a cross."""
+    """Layers x KV heads heatmap of the stability scores (blank: layers the profile does not cover, e.g. sliding-window
+    layers); unstable heads are marked with a cross."""
     if profile.scores is None:
         raise ValueError("The profile has no per-head scores to plot; profile the model with `flexicache profile`.")
     plt = _pyplot()
     width = max(3.5, 0.9 * profile.num_kv_heads + 2.0)
     height = max(3.0, 0.22 * profile.num_layers + 1.5)
     fig, ax = plt.subplots(figsize=(width, height))
-    image = ax.imshow(profile.scores, aspect="auto", cmap="viridis", interpolation="nearest")
+    image = ax.imshow(profile.score_matrix().numpy(), aspect="auto", cmap="viridis", interpolation="nearest")
     for layer, head in profile.unstable_heads:
         ax.plot(head, layer, marker="x", color="red", markersize=6, linestyle="none")
     ax.set_xlabel("KV head")
