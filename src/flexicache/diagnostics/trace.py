@@ -3,7 +3,8 @@
 The model runs with a ``DynamicCache`` and the probe attention (:mod:`flexicache.profiling.probe`): the first
 ``prefill`` tokens in one forward, then the rest of ``token_ids`` one token per forward (teacher forcing), exactly as
 decode-mode perplexity feeds them. At step ``s`` the query attended to the first ``prefill + s + 1`` keys, so the
-final keys and values of the cache hold every step's context.
+final keys and values of the cache hold every step's context. In a model that mixes layer types only the layers
+FlexiCache pages are traced (:func:`flexicache.hybrid.sparse_layers`); sliding-window layers keep their window.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from flexicache.hybrid import sparse_layers
 from flexicache.models import cache_keyword, input_device
 from flexicache.profiling.probe import QueryRecorder, probing
 
@@ -24,9 +26,10 @@ from flexicache.profiling.probe import QueryRecorder, probing
 class DecodeTrace:
     """One sequence's dense decode, batch size 1.
 
-    ``queries``: ``[S, L, Hq, D]`` float32, the query of every decode step and layer; ``keys``/``values``:
+    ``queries``: ``[S, L, Hq, D]`` float32, the query of every decode step and traced layer; ``keys``/``values``:
     ``[L, H, T, D]`` float32, the cache after the last step (``T = prefill + S``); ``scaling``: ``[L]`` softmax
-    scales. Step ``s`` attends to keys ``0 .. prefill + s`` (its own token included).
+    scales; ``layers``: the model layer of each of the ``L`` traced layers. Step ``s`` attends to keys
+    ``0 .. prefill + s`` (its own token included).
     """
 
     queries: torch.Tensor
@@ -34,6 +37,7 @@ class DecodeTrace:
     values: torch.Tensor
     scaling: list[float]
     prefill: int
+    layers: list[int]
 
     @property
     def num_steps(self) -> int:
@@ -54,6 +58,7 @@ def record_trace(model: Any, token_ids: Sequence[int], prefill: int, progress: b
     cache = DynamicCache(config=model.config)
     recorder = QueryRecorder()
     keyword = cache_keyword(model)
+    layers = sparse_layers(model.config)
     steps: list[torch.Tensor] = []
     with probing(model, recorder):
         model(input_ids=ids[:, :prefill], use_cache=True, **{keyword: cache})
@@ -62,8 +67,8 @@ def record_trace(model: Any, token_ids: Sequence[int], prefill: int, progress: b
                              leave=False):
             model(input_ids=ids[:, position : position + 1], use_cache=True, **{keyword: cache})
             queries = recorder.pop()
-            steps.append(torch.stack([queries[layer][0, :, 0].float().cpu() for layer in sorted(queries)]))
-    keys = torch.stack([layer.keys[0].float().cpu() for layer in cache.layers])
-    values = torch.stack([layer.values[0].float().cpu() for layer in cache.layers])
-    scaling = [recorder.scaling[layer] for layer in sorted(recorder.scaling)]
-    return DecodeTrace(torch.stack(steps), keys, values, scaling, prefill)
+            steps.append(torch.stack([queries[layer][0, :, 0].float().cpu() for layer in layers]))
+    keys = torch.stack([cache.layers[layer].keys[0].float().cpu() for layer in layers])
+    values = torch.stack([cache.layers[layer].values[0].float().cpu() for layer in layers])
+    scaling = [recorder.scaling[layer] for layer in layers]
+    return DecodeTrace(torch.stack(steps), keys, values, scaling, prefill, layers)
