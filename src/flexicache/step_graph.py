@@ -47,6 +47,7 @@ from typing import Any, Protocol
 
 import torch
 
+from flexicache import handoff
 from flexicache.decode_graph import capture, capture_stream
 from flexicache.sequence import AppendPlan, SequenceState
 
@@ -103,6 +104,7 @@ class StepGraphStore:
         self.captures = 0
         self.replays = 0
         self.disabled: str | None = None  # why this cache runs its steps eagerly (a forward that cannot be captured)
+        self.failed: str | None = None  # an exception inside a graphed step left the cache's state incomplete
         self.next_reranks: tuple[AppendPlan, tuple[bool, ...]] | None = None  # prepare_next_step's, for its plan
 
     def clear(self) -> None:
@@ -113,9 +115,10 @@ class StepGraphStore:
         self.pool = None
 
     def reset(self) -> None:
-        """:meth:`clear`, and forget the next step prepared ahead (the cache was reset)."""
+        """:meth:`clear`, and forget the next step prepared ahead and any failed step (the cache was reset)."""
         self.clear()
         self.next_reranks = None
+        self.failed = None
 
     def ready(self) -> bool:
         """Whether the next decode step's device work can run from a whole-step CUDA graph: every layer, all on one
@@ -260,6 +263,20 @@ def run_graphed_step(cache: SupportsStepGraphs, key: tuple, tensors: dict[str, t
         ``forward``'s output, its tensors copied (the next replay overwrites the recorded ones).
     """
     store = cache.step_graphs
+    if store.failed is not None:
+        raise RuntimeError(f"A previous decode step of this FlexiCache run as a CUDA graph failed ({store.failed}): its "
+                           "state is incomplete. Call cache.reset() and generate again from the prompt.")
+    try:
+        return _run_graphed_step(store, cache, key, tensors, forward)
+    except BaseException as error:  # the step's host bookkeeping may have run without its device work
+        store.failed = f"{type(error).__name__}: {error}"
+        store.clear()
+        handoff.clear_staged()
+        raise
+
+
+def _run_graphed_step(store: StepGraphStore, cache: SupportsStepGraphs, key: tuple, tensors: dict[str, torch.Tensor],
+                      forward: Callable[[dict[str, torch.Tensor]], Any]) -> Any:
     if store.storage is not None and store.chunk == store.sequence.num_chunks:  # nothing appended since
         prepared = store.prepare_replay(store.storage)
         recorded = store.steps.get((key, prepared[0])) if prepared is not None else None
@@ -312,6 +329,7 @@ def _record(store: StepGraphStore, key: tuple, cache: Any, tensors: dict[str, to
         try:
             graph = capture(lambda: outputs.append(forward(inputs)), device, pool=store.pool)
         except RuntimeError as error:  # e.g. the forward reads a device value on the host (not capturable)
+            handoff.clear_staged()  # a layer's update recorded before the capture failed: nothing will take it
             store.clear()
             store.disabled = f"{type(error).__name__}: {error}"
             warnings.warn(f"FlexiCache: this model's decode step cannot be captured as a CUDA graph ({error}); "
