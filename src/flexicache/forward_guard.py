@@ -21,7 +21,7 @@ from flexicache import host_tier, thread_claims
 from flexicache.backends import DecodeBackend, PreparedBackend
 from flexicache.config import FlexiCacheConfig
 from flexicache.host_limits import check_room, gib, system_limits
-from flexicache.host_pool import REMEDY, host_pool
+from flexicache.host_pool import BLOCK_BYTES, REMEDY, host_pool
 from flexicache.sequence import SequenceState
 from flexicache.storage import LayerStorage
 
@@ -74,35 +74,36 @@ def check_host_demand(layers: Sequence[PagedLayer], sequence: SequenceState, key
     settings = stable[0].settings
     longest = 0 if sequence.num_tokens_host is None else int(sequence.num_tokens_host.max())
     pages = -(-(longest + key_states.shape[2]) // settings.page_size)
+    if all(tier_pages(layer.storage, settings, pages) is None for layer in stable):
+        return  # every tier has room (a decode step, most of the time)
+    batch_size, _, _, head_dim = key_states.shape
+    page_bytes = 2 * settings.page_size * head_dim * key_states.element_size()  # keys + values
+    device = key_states.device if layers[0].storage is None else layers[0].storage.device
+    pinned = host_tier.pins_host_tier(device)
     needed, largest_replaced, heads = 0, 0, 0
     for layer in stable:
         head_pages = tier_pages(layer.storage, settings, pages)
         if head_pages is None:
             continue
         current = 0 if layer.storage is None else layer.storage.offloaded.host.k.shape[2]
-        needed += (head_pages - current) * len(layer.stable_heads)
-        largest_replaced = max(largest_replaced, current * len(layer.stable_heads))  # old and new coexist briefly
+        new_bytes = head_pages * len(layer.stable_heads) * batch_size * page_bytes
+        old_bytes = current * len(layer.stable_heads) * batch_size * page_bytes
+        if pinned:  # the pool hands out whole blocks
+            new_bytes, old_bytes = (-(-nbytes // BLOCK_BYTES) * BLOCK_BYTES for nbytes in (new_bytes, old_bytes))
+        needed += new_bytes - old_bytes
+        largest_replaced = max(largest_replaced, old_bytes)  # a growing tier's old and new buffers coexist briefly
         heads += len(layer.stable_heads)
-    if not heads:
-        return
-    batch_size, _, _, head_dim = key_states.shape
-    page_bytes = 2 * settings.page_size * head_dim * key_states.element_size()  # keys + values
-    total = (needed + largest_replaced) * batch_size * page_bytes
-    what = (f"the host tiers of this cache's stable heads ({heads} KV heads x batch {batch_size} x "
-            f"{pages * settings.page_size} tokens at {page_bytes // settings.page_size} bytes per token and head; "
-            f"{gib(needed * batch_size * page_bytes)} for the tiers, the rest while a tier grows)")
-    device = key_states.device if layers[0].storage is None else layers[0].storage.device
-    if host_tier.pins_host_tier(device):
-        check_room(total, host_pool().limits(), f"page-locked {what}", REMEDY)
-    else:
-        check_room(total, system_limits(), what, REMEDY)
+    what = (f"the {'page-locked ' if pinned else ''}host tiers of this cache's stable heads ({heads} KV heads x batch "
+            f"{batch_size} x {pages * settings.page_size} tokens at {page_bytes // settings.page_size} bytes per token "
+            f"and head; {gib(needed)} for the tiers, the rest while a tier grows)")
+    limits = host_pool().limits() if pinned else system_limits()
+    check_room(needed + largest_replaced, limits, what, REMEDY)
 
 
 def tier_pages(storage: LayerStorage | None, settings: FlexiCacheConfig, pages: int) -> int | None:
     """Pages per row the host tier of ``storage`` (``None``: not made yet) will have once it holds ``pages`` pages
-    (the rule of :meth:`~flexicache.offload.HostTier.reserve`), or ``None`` if it has room already."""
+    (the rule of :meth:`~flexicache.host_tier.HostTier.reserve`), or ``None`` if it has room already."""
     current = settings.reserved_pages if storage is None else storage.offloaded.host.k.shape[2]
     if pages <= current:
         return None if storage is not None else current
     return pages + max(64, pages // 4)
-

@@ -38,7 +38,8 @@ class Limit:
 
 
 def gib(nbytes: int | float) -> str:
-    return f"{nbytes / GIB:.2f} GiB"
+    """``nbytes`` in GiB with two decimals (in MiB below 0.01 GiB)."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 100 or nbytes == 0 else f"{nbytes / 2**20:.2f} MiB"
 
 
 def read_meminfo(path: Path = Path("/proc/meminfo")) -> dict[str, int]:
