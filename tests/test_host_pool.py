@@ -88,8 +88,8 @@ def test_the_limit_bounds_registered_bytes_and_free_blocks_make_room_oldest_firs
     recorder = Recorder()
     pool = recorder.pool(limit_bytes=6 * BLOCK_BYTES)
     first, second = pool.borrow(2 * BLOCK_BYTES), pool.borrow(3 * BLOCK_BYTES)
-    with pytest.raises(HostMemoryError, match=r"needs 4\.00 MiB more .* can take 2\.00 MiB more.*host pool's limit of 0\.01 GiB.*"
-                                              r"Lower the batch size or the context.*" + ENV_LIMIT):
+    with pytest.raises(HostMemoryError, match=r"needs 4\.00 MiB more .* can take 2\.00 MiB more.*host pool's limit "
+                                              r"of 0\.01 GiB.*Lower the batch size or the context.*" + ENV_LIMIT):
         pool.borrow(2 * BLOCK_BYTES)
     assert recorder.made == [2 * BLOCK_BYTES, 3 * BLOCK_BYTES]  # refused before anything was made
     del first, second  # both free now, the 2-block one first
@@ -208,8 +208,8 @@ def generate(model, cache, new_tokens: int = 10) -> torch.Tensor:
     return greedy(model, ids, cache, mask, new_tokens)
 
 
-def test_a_cache_borrows_its_host_tiers_and_gives_them_back_by_reference_counting(pinned_pool: HostPool,
-                                                                                  cudart: FakeCudart) -> None:  # noqa: F811
+def test_a_cache_borrows_its_host_tiers_and_gives_them_back_by_reference_counting(
+        pinned_pool: HostPool, cudart: FakeCudart) -> None:  # noqa: F811
     config = tiny_config(num_layers=3)
     model = tiny_model(config)
     settings = {"profile": mixed_profile(config), "token_budget": 16, "page_size": 4, "rerank_interval": 3}

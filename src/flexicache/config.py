@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 from dataclasses import dataclass
@@ -48,31 +49,35 @@ class FlexiCacheConfig:
     max_cache_len: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.page_size, int) or self.page_size < 1 or self.page_size & (self.page_size - 1):
+        page_size = _integer_setting(self.page_size, "page_size", "a power of two (e.g. 16)")
+        if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two (e.g. 16), got {self.page_size!r}.")
-        if not isinstance(self.token_budget, int) or self.token_budget < 2 * self.page_size:
+        token_budget = _integer_setting(self.token_budget, "token_budget", "a multiple of page_size")
+        if token_budget < 2 * page_size:
             raise ValueError(
                 f"token_budget={self.token_budget!r} is smaller than the sink page plus the tail page "
-                f"(2 * page_size = {2 * self.page_size}); raise token_budget or lower page_size."
+                f"(2 * page_size = {2 * page_size}); raise token_budget or lower page_size."
             )
-        if self.token_budget % self.page_size:
+        if token_budget % page_size:
             raise ValueError(
-                f"token_budget={self.token_budget} is not a multiple of page_size={self.page_size}; "
-                f"use {self.token_budget // self.page_size * self.page_size} or "
-                f"{(self.token_budget // self.page_size + 1) * self.page_size}."
+                f"token_budget={token_budget} is not a multiple of page_size={page_size}; "
+                f"use {token_budget // page_size * page_size} or {(token_budget // page_size + 1) * page_size}."
             )
-        if not isinstance(self.rerank_interval, int) or self.rerank_interval < 1:
+        rerank_interval = _integer_setting(self.rerank_interval, "rerank_interval", "a positive integer")
+        if rerank_interval < 1:
             raise ValueError(f"rerank_interval must be a positive integer, got {self.rerank_interval!r}.")
-        if self.group_reduce not in ("max", "sum"):
+        if not isinstance(self.group_reduce, str) or self.group_reduce not in ("max", "sum"):
             raise ValueError(f"group_reduce must be 'max' or 'sum', got {self.group_reduce!r}.")
         if (isinstance(self.spread_weight, bool) or not isinstance(self.spread_weight, (int, float))
                 or not 0.0 <= self.spread_weight <= 1.0):
             raise ValueError(f"spread_weight must be a number in [0, 1] (1.0: Quest's bound), got {self.spread_weight!r}.")
-        object.__setattr__(self, "spread_weight", float(self.spread_weight))
-        if self.backend not in ("auto", "reference", "flashinfer"):
+        if not isinstance(self.backend, str) or self.backend not in ("auto", "reference", "flashinfer"):
             raise ValueError(f"backend must be 'auto', 'reference' or 'flashinfer', got {self.backend!r}.")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}.")
+        for name, value in (("page_size", page_size), ("token_budget", token_budget),
+                            ("rerank_interval", rerank_interval), ("spread_weight", float(self.spread_weight))):
+            object.__setattr__(self, name, value)
         if self.max_cache_len is not None:
             object.__setattr__(self, "max_cache_len", _positive_tokens(self.max_cache_len))
 
@@ -85,6 +90,17 @@ class FlexiCacheConfig:
     def pages_per_head(self) -> int:
         """K: pages each KV head attends to at decode."""
         return self.token_budget // self.page_size
+
+
+def _integer_setting(value: object, name: str, expected: str) -> int:
+    """``value`` as a Python int (numpy and torch integers accepted); bools, floats and strings raise naming
+    ``name``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer ({expected}), got {value!r}.") from None
 
 
 def _positive_tokens(value: object) -> int:
@@ -103,10 +119,58 @@ def _positive_tokens(value: object) -> int:
 def resolve_profile(profile: HeadProfile | str | os.PathLike | None, config: Any) -> HeadProfile:
     """The :class:`HeadProfile` of a cache for the model ``config``, checked against its shape: ``profile`` itself,
     or one read as :meth:`HeadProfile.from_pretrained` reads it (a file, a folder, a shipped profile's name such as
-    ``"smollm2-135m-instruct"``, a hub repository id), or :meth:`HeadProfile.default` for ``None``."""
+    ``"smollm2-135m-instruct"``, a hub repository id), or :meth:`HeadProfile.default` for ``None``.
+
+    Raises:
+        ValueError: naming ``profile=``: a file that is not a profile (not JSON, missing or mistyped fields), a
+            profile with fields out of range (e.g. scores that are not finite or not one per head), or one made
+            for a model of another shape.
+    """
     if profile is None:
         profile = HeadProfile.default(config)
     elif not isinstance(profile, HeadProfile):
-        profile = HeadProfile.from_pretrained(profile)
+        if not isinstance(profile, (str, os.PathLike)):
+            raise TypeError(f"profile must be a HeadProfile, a path or name of one, or None, got "
+                            f"{type(profile).__name__}.")
+        try:
+            profile = HeadProfile.from_pretrained(profile)
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as error:  # what a malformed file raises
+            raise ValueError(f"profile={str(profile)!r} is not a readable FlexiCache HeadProfile "
+                             f"({type(error).__name__}: {error}). Pass a file written by HeadProfile.save or "
+                             "`flexicache profile`, a shipped profile's name, or profile=None for the default."
+                             ) from error
+    check_profile_fields(profile)
     profile.validate_for(config)
     return profile
+
+
+def check_profile_fields(profile: HeadProfile) -> None:
+    """Raise ``ValueError`` naming the field of ``profile`` whose type or range no profile can have."""
+    for name in ("num_layers", "num_kv_heads", "head_dim"):
+        value = getattr(profile, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"profile field {name} must be a positive integer, got {value!r}.")
+    for name in ("page_size", "token_budget"):
+        value = getattr(profile, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"profile field {name} must be a positive integer or null, got {value!r}.")
+    fraction = profile.unstable_fraction
+    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                 or not 0.0 <= fraction <= 1.0):
+        raise ValueError(f"profile field unstable_fraction must be a number in [0, 1] or null, got {fraction!r}.")
+    if profile.scores is not None:
+        shape = (profile.num_layers, profile.num_kv_heads)
+        if (not isinstance(profile.scores, list) or len(profile.scores) != shape[0]
+                or any(not isinstance(row, list) or len(row) != shape[1] for row in profile.scores)):
+            raise ValueError(f"profile field scores must be {shape[0]} lists of {shape[1]} numbers (one per layer and "
+                             "KV head) or null.")
+        if not all(isinstance(score, (int, float)) and not isinstance(score, bool) and math.isfinite(score)
+                   for row in profile.scores for score in row):
+            raise ValueError("profile field scores must hold finite numbers (NaN or infinite scores come from a "
+                             "failed profiling run: profile the model again).")
+    for name in ("calibration", "model_info"):
+        value = getattr(profile, name)
+        if not isinstance(value, dict):
+            raise ValueError(f"profile field {name} must be a JSON object, got {type(value).__name__}.")
+    if not isinstance(profile.model, str):
+        raise ValueError(f"profile field model must be a string, got {profile.model!r}.")

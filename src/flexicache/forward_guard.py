@@ -62,7 +62,7 @@ def check_in_step(layers: Sequence[PagedLayer], sequence: SequenceState, failure
         raise RuntimeError(INTERRUPTED.format(where=f"a decode step run as a CUDA graph failed: {failure}"))
     behind = [layer.layer_idx for layer in layers if layer.num_chunks != sequence.num_chunks]
     if behind:
-        raise RuntimeError(INTERRUPTED.format(where=f"layers {behind} did not store its last chunk"))
+        raise RuntimeError(INTERRUPTED.format(where=f"layers {behind} did not store the last chunk"))
 
 
 def check_host_demand(layers: Sequence[PagedLayer], sequence: SequenceState, key_states: torch.Tensor) -> None:

@@ -264,8 +264,8 @@ def run_graphed_step(cache: SupportsStepGraphs, key: tuple, tensors: dict[str, t
     """
     store = cache.step_graphs
     if store.failed is not None:
-        raise RuntimeError(f"A previous decode step of this FlexiCache run as a CUDA graph failed ({store.failed}): its "
-                           "state is incomplete. Call cache.reset() and generate again from the prompt.")
+        raise RuntimeError(f"A previous decode step of this FlexiCache run as a CUDA graph failed ({store.failed}): "
+                           "its state is incomplete. Call cache.reset() and generate again from the prompt.")
     try:
         return _run_graphed_step(store, cache, key, tensors, forward)
     except BaseException as error:  # the step's host bookkeeping may have run without its device work

@@ -28,7 +28,7 @@ from flexicache.storage import LayerStorage
 
 @torch.inference_mode(False)
 def crop_storage(storage: LayerStorage, before: torch.Tensor, after: torch.Tensor) -> None:
-    """Keep the first ``after [B]`` of every request's ``before [B]`` real tokens (CPU ``long``, ``after <= before``)."""
+    """Keep the first ``after [B]`` of each request's ``before [B]`` real tokens (CPU ``long``, ``after <= before``)."""
     page_size, device = storage.settings.page_size, storage.device
     changed = (after < before).nonzero().view(-1)
     if not changed.numel():

@@ -46,11 +46,11 @@ def claim(cache: Claimant, backends: Iterable[object], where: str) -> None:
                     del holders[key]
                 elif other is not cache and ident != thread.ident:
                     raise RuntimeError(
-                        f"This FlexiCache would decode on {where} from thread {thread.name!r} while another FlexiCache "
-                        f"that holds tokens decodes there from thread {name!r}: the FlashInfer backend (its plan and the "
-                        "buffers its CUDA graphs read) is shared by every cache on a device, so one thread at a time "
-                        "may decode there. Finish with the other cache first (cache.close() or cache.reset(), or drop "
-                        "it), run both caches from one thread, or use one process per thread."
+                        f"This FlexiCache would decode on {where} from thread {thread.name!r} while another "
+                        f"FlexiCache that holds tokens decodes there from thread {name!r}: the FlashInfer backend (its "
+                        "plan and the buffers its CUDA graphs read) is shared by every cache on a device, so one "
+                        "thread at a time may decode there. Finish with the other cache first (cache.close() or "
+                        "cache.reset(), or drop it), run both caches from one thread, or use one process per thread."
                     )
             holders[id(cache)] = (thread.ident, thread.name, weakref.ref(cache))
 
