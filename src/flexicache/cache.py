@@ -12,7 +12,6 @@ A cache nobody refers to is freed by reference counting alone, its host tier and
 
 from __future__ import annotations
 
-import operator
 import os
 from typing import Any
 
@@ -22,7 +21,7 @@ from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from flexicache import attention, forward_guard, handoff
 from flexicache.backends import DecodeBackend, require_flashinfer_support
-from flexicache.config import FlexiCacheConfig, resolve_profile
+from flexicache.config import FlexiCacheConfig, integer_argument, resolve_profile
 from flexicache.decode_graph import StepInputs
 from flexicache.host_pool import host_pool
 from flexicache.layer import CLOSED_MESSAGE, FlexiLayer
@@ -151,7 +150,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` logical positions (negative count, as transformers passes it), in
         place (:func:`~flexicache.storage_ops.crop_storage`); removing them all resets the cache."""
-        tokens_to_remove = _integer(tokens_to_remove, "tokens_to_remove")
+        tokens_to_remove = integer_argument(tokens_to_remove, "tokens_to_remove", "negative: the tokens to remove")
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}.")
         if tokens_to_remove == 0 or self.sequence.logical_length == 0:
@@ -170,7 +169,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every request ``repeats`` times in place (request ``b`` becomes ``b * repeats .. + repeats - 1``)."""
-        repeats = _integer(repeats, "repeats")
+        repeats = integer_argument(repeats, "repeats", "at least 1")
         if repeats < 1:
             raise ValueError(f"batch_repeat_interleave takes repeats >= 1, got {repeats}.")
         if self.sequence.logical_length and repeats > 1:
@@ -233,16 +232,6 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         totals["token_budget"] = self.settings.token_budget
         totals.update(host_pool().stats())  # the process's pool, shared by every cache on CUDA
         return totals
-
-
-def _integer(value: object, name: str) -> int:
-    """``value`` as a Python int (numpy and torch integers accepted); anything else raises naming ``name``."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {value!r}.") from None
 
 
 def _request_index(indices: object, batch_size: int) -> torch.Tensor:

@@ -49,10 +49,10 @@ class FlexiCacheConfig:
     max_cache_len: int | None = None
 
     def __post_init__(self) -> None:
-        page_size = _integer_setting(self.page_size, "page_size", "a power of two (e.g. 16)")
+        page_size = integer_argument(self.page_size, "page_size", "a power of two (e.g. 16)")
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two (e.g. 16), got {self.page_size!r}.")
-        token_budget = _integer_setting(self.token_budget, "token_budget", "a multiple of page_size")
+        token_budget = integer_argument(self.token_budget, "token_budget", "a multiple of page_size")
         if token_budget < 2 * page_size:
             raise ValueError(
                 f"token_budget={self.token_budget!r} is smaller than the sink page plus the tail page "
@@ -63,7 +63,7 @@ class FlexiCacheConfig:
                 f"token_budget={token_budget} is not a multiple of page_size={page_size}; "
                 f"use {token_budget // page_size * page_size} or {(token_budget // page_size + 1) * page_size}."
             )
-        rerank_interval = _integer_setting(self.rerank_interval, "rerank_interval", "a positive integer")
+        rerank_interval = integer_argument(self.rerank_interval, "rerank_interval", "a positive integer")
         if rerank_interval < 1:
             raise ValueError(f"rerank_interval must be a positive integer, got {self.rerank_interval!r}.")
         if not isinstance(self.group_reduce, str) or self.group_reduce not in ("max", "sum"):
@@ -92,9 +92,9 @@ class FlexiCacheConfig:
         return self.token_budget // self.page_size
 
 
-def _integer_setting(value: object, name: str, expected: str) -> int:
-    """``value`` as a Python int (numpy and torch integers accepted); bools, floats and strings raise naming
-    ``name``."""
+def integer_argument(value: object, name: str, expected: str) -> int:
+    """``value`` as a Python int (numpy and torch integers accepted); bools, floats and strings raise
+    ``ValueError`` naming ``name`` and saying what is ``expected``."""
     try:
         if isinstance(value, bool):
             raise TypeError
@@ -104,15 +104,11 @@ def _integer_setting(value: object, name: str, expected: str) -> int:
 
 
 def _positive_tokens(value: object) -> int:
-    """``max_cache_len`` as a Python int (numpy and torch integers accepted); bools, floats, strings and values
-    below 1 raise."""
-    try:
-        tokens = operator.index(value) if not isinstance(value, bool) else None
-    except TypeError:
-        tokens = None
-    if tokens is None or tokens < 1:
-        raise ValueError(f"max_cache_len must be a positive number of tokens (prompt + new tokens) or None, "
-                         f"got {value!r}.")
+    """``max_cache_len`` as a Python int >= 1 (numpy and torch integers accepted)."""
+    expected = "a positive number of tokens (prompt + new tokens) or None"
+    tokens = integer_argument(value, "max_cache_len", expected)
+    if tokens < 1:
+        raise ValueError(f"max_cache_len must be {expected}, got {value!r}.")
     return tokens
 
 
