@@ -105,10 +105,13 @@ def integer_argument(value: object, name: str, expected: str) -> int:
 
 def _positive_tokens(value: object) -> int:
     """``max_cache_len`` as a Python int >= 1 (numpy and torch integers accepted)."""
-    expected = "a positive number of tokens (prompt + new tokens) or None"
-    tokens = integer_argument(value, "max_cache_len", expected)
+    try:
+        tokens = integer_argument(value, "max_cache_len", "")
+    except ValueError:
+        tokens = 0
     if tokens < 1:
-        raise ValueError(f"max_cache_len must be {expected}, got {value!r}.")
+        raise ValueError(f"max_cache_len must be a positive number of tokens (prompt + new tokens) or None, "
+                         f"got {value!r}.")
     return tokens
 
 
