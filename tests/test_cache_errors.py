@@ -210,8 +210,9 @@ def test_a_capture_that_fails_leaves_no_staged_chunk_and_runs_eagerly(capture_on
         handoff.stage(taker, 0, keys, keys, 5)
         return "output"
 
+    inputs = {"input_ids": torch.zeros(1, 1, dtype=torch.long)}
     with pytest.warns(RuntimeWarning, match="cannot be captured"):
-        assert run_graphed_step(cache, ("key",), {"input_ids": torch.zeros(1, 1, dtype=torch.long)}, forward) == "output"
+        assert run_graphed_step(cache, ("key",), inputs, forward) == "output"
     assert handoff.take(None) is None and cache.step_graphs.disabled is not None and cache.step_graphs.failed is None
     assert not cache.step_graphs.steps
 

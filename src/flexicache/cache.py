@@ -139,6 +139,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         (state after an error, one thread per shared backend, room for the host tiers)."""
         layers = self._flexi_layers()
         if layers and layers[0].layer_idx == layer_idx and not layers[0].recording and not self.closed:
+            forward_guard.refuse_use_cache_off(kwargs.get("kwargs"))
             forward_guard.begin_forward(self, layers, self.sequence, self.step_graphs.failed, self.backends,
                                         key_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)

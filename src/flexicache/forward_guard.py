@@ -56,6 +56,17 @@ def begin_forward(cache: thread_claims.Claimant, layers: Sequence[PagedLayer], s
     check_host_demand(layers, sequence, key_states)
 
 
+def refuse_use_cache_off(attention_kwargs: object) -> None:
+    """Raise for a forward with ``use_cache=False`` (transformers >= 5.24 passes the attention's keyword arguments,
+    ``attention_kwargs``, to ``update``; older releases do not, and are not checked)."""
+    if isinstance(attention_kwargs, dict) and attention_kwargs.get("use_cache") is False:
+        raise ValueError(
+            "use_cache=False with a FlexiCache: transformers then feeds the whole sequence into the cache again at "
+            "every step (with any cache, DynamicCache too), which no cache can serve. Leave use_cache on, or pass "
+            "no cache."
+        )
+
+
 def check_in_step(layers: Sequence[PagedLayer], sequence: SequenceState, failure: str | None) -> None:
     """Raise if a forward stopped part-way: layers at different chunk counts, or a failed graphed step."""
     if failure is not None:
