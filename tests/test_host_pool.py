@@ -17,7 +17,14 @@ from test_host_memory import FakeCudart, cudart  # noqa: F401  (the fixture)
 
 from flexicache import FlexiCache, host_limits, host_pool, host_tier
 from flexicache.host_limits import GIB, HEADROOM_BYTES, HostMemoryError, cgroup_room
-from flexicache.host_pool import BLOCK_BYTES, ENV_LIMIT, HostPool, limit_from_environment
+from flexicache.host_pool import (
+    BLOCK_BYTES,
+    ENV_KEEP,
+    ENV_LIMIT,
+    HostPool,
+    keep_from_environment,
+    limit_from_environment,
+)
 
 
 class RecordedMapping(mmap.mmap):
@@ -44,8 +51,8 @@ class Recorder:
     def wait(self) -> None:
         self.waits += 1
 
-    def pool(self, limit_bytes: int | None = None) -> HostPool:
-        return HostPool(limit_bytes, allocate=self.allocate, wait=self.wait)
+    def pool(self, limit_bytes: int | None = None, keep_free: bool = True) -> HostPool:
+        return HostPool(limit_bytes, keep_free, allocate=self.allocate, wait=self.wait)
 
 
 def test_a_borrowed_block_is_exact_and_comes_back_when_its_last_view_goes() -> None:
@@ -149,7 +156,22 @@ def test_cgroup_room_reads_v1_and_v2_without_reclaimable_cache(tmp_path) -> None
     assert cgroup_room(tmp_path / "none") is None
 
 
+def test_an_unpooled_pool_unregisters_each_block_given_back() -> None:
+    recorder = Recorder()
+    pool = recorder.pool(keep_free=False)
+    block = pool.borrow(BLOCK_BYTES)
+    del block
+    assert recorder.released == [BLOCK_BYTES] and pool.stats()["host_pool_reserved_bytes"] == 0
+
+
 def test_the_limit_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_KEEP, raising=False)
+    assert keep_from_environment()
+    monkeypatch.setenv(ENV_KEEP, "0")
+    assert not keep_from_environment()
+    monkeypatch.setenv(ENV_KEEP, "no")
+    with pytest.raises(ValueError, match=ENV_KEEP):
+        keep_from_environment()
     monkeypatch.delenv(ENV_LIMIT, raising=False)
     assert limit_from_environment() is None
     monkeypatch.setenv(ENV_LIMIT, "1.5")

@@ -14,7 +14,8 @@ are whatever the previous owner left (a fresh block is zeros).
 
 The pool is bounded by a limit on the bytes it keeps registered, in use or not: ``FLEXICACHE_HOST_POOL_GIB`` (read
 when the pool is made) or :func:`set_limit`; unused blocks are unregistered oldest first to make room, and
-:func:`release` unregisters all of them. Without a limit the pool takes what the system can give
+:func:`release` unregisters all of them (``FLEXICACHE_HOST_POOL_KEEP=0`` unregisters each block as soon as it is
+given back: no reuse). Without a limit the pool takes what the system can give
 (:mod:`flexicache.host_limits`): before registering a new block it checks what the process can still take and raises
 :class:`~flexicache.host_limits.HostMemoryError` instead of growing into the OOM killer.
 """
@@ -36,6 +37,7 @@ from flexicache.host_limits import Limit, check_room, gib, system_limits
 from flexicache.host_memory import pinned_mapping, started_cuda_devices
 
 ENV_LIMIT = "FLEXICACHE_HOST_POOL_GIB"
+ENV_KEEP = "FLEXICACHE_HOST_POOL_KEEP"
 BLOCK_BYTES = 2 * 2**20  # blocks are whole (huge) pages: a block given back fits later requests of about its size
 REUSE_SLACK = 0.25  # a free block serves a request at most this fraction smaller than it (else the bytes idle)
 REMEDY = ("Lower the batch size or the context (prompt + max_new_tokens, or max_cache_len), or use a profile with more "
@@ -66,14 +68,16 @@ class HostPool:
 
     Args:
         limit_bytes: most bytes kept registered (in use or free); ``None``: what the system can give.
+        keep_free: keep the blocks given back for reuse (``False``: unregister each at once, as if unpooled).
         allocate: makes a registered block of ``n`` bytes, an object with the buffer protocol that unregisters when
             it is deleted (:func:`~flexicache.host_memory.pinned_mapping`; tests pass ordinary mappings).
         wait: waits for queued device work before a block is handed out again.
     """
 
-    def __init__(self, limit_bytes: int | None = None, allocate: Callable[[int], Any] = pinned_mapping,
-                 wait: Callable[[], None] = _wait_for_devices) -> None:
+    def __init__(self, limit_bytes: int | None = None, keep_free: bool = True,
+                 allocate: Callable[[int], Any] = pinned_mapping, wait: Callable[[], None] = _wait_for_devices) -> None:
         self.limit_bytes = _checked_limit(limit_bytes)
+        self.keep_free = keep_free
         self._allocate = allocate
         self._wait = wait
         self._lock = threading.RLock()  # re-entrant: a lease may be given back while this thread holds the lock
@@ -140,8 +144,8 @@ class HostPool:
         """Called when the last view of ``block`` goes: keep it for the next borrower (within the limit)."""
         with self._lock:
             self.in_use_bytes -= block.nbytes
-            if self.limit_bytes is not None and self.reserved_bytes > self.limit_bytes:
-                self._unregister(block)  # the limit was lowered while it was in use
+            if not self.keep_free or (self.limit_bytes is not None and self.reserved_bytes > self.limit_bytes):
+                self._unregister(block)  # unpooled, or the limit was lowered while it was in use
             else:
                 self._free.append(block)
 
@@ -198,6 +202,14 @@ def _checked_limit(limit_bytes: int | None) -> int | None:
     return limit_bytes
 
 
+def keep_from_environment() -> bool:
+    """Whether the pool keeps blocks for reuse: ``FLEXICACHE_HOST_POOL_KEEP`` is ``1`` (the default) or ``0``."""
+    value = os.environ.get(ENV_KEEP, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_KEEP} must be 1 (keep the blocks caches give back, for reuse) or 0, got {value!r}.")
+    return value == "1"
+
+
 def limit_from_environment() -> int | None:
     """The limit ``FLEXICACHE_HOST_POOL_GIB`` sets (GiB, e.g. ``64`` or ``0.5``), ``None`` when unset."""
     value = os.environ.get(ENV_LIMIT, "").strip()
@@ -222,7 +234,7 @@ def host_pool() -> HostPool:
     global _process_pool
     with _process_lock:
         if _process_pool is None or _process_pool.pid != os.getpid():
-            _process_pool = HostPool(limit_from_environment())
+            _process_pool = HostPool(limit_from_environment(), keep_from_environment())
         return _process_pool
 
 
