@@ -199,12 +199,13 @@ class ResidentPages:
         batch = torch.arange(num_pages.numel()).repeat_interleave(num_pages)
         page = torch.arange(total) - (torch.cumsum(num_pages, 0) - num_pages).repeat_interleave(num_pages)
         batch, page = batch.to(device), page.to(device)
-        start = self.pool.allocate(total * self.num_heads)
-        slots = torch.arange(start, start + total * self.num_heads, device=device).view(-1, self.num_heads)
-        self.table[batch, :, page] = slots
-        source_slots = source.table[index.to(device)[batch], :, page]
-        self.pool.k[slots] = source.pool.k[source_slots]
-        self.pool.v[slots] = source.pool.v[source_slots]
+        count = total * self.num_heads
+        start = self.pool.allocate(count)
+        self.table[batch, :, page] = torch.arange(start, start + count, device=device).view(-1, self.num_heads)
+        source_slots = source.table[index.to(device)[batch], :, page].view(-1)
+        for target, pages in ((self.pool.k, source.pool.k), (self.pool.v, source.pool.v)):
+            # straight into the new slots (consecutive): no temporary copy of the pages
+            torch.index_select(pages, 0, source_slots, out=target[start:start + count])
 
     def append(self, new_keys: torch.Tensor, new_values: torch.Tensor, plan: AppendPlan) -> None:
         """Write the chunk's real tokens (``[N, h, D]`` in plan order), opening the pages they start."""
