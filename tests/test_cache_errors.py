@@ -250,7 +250,7 @@ def run_in_thread(work, name: str = "worker"):
     thread.start()
     thread.join()
     if "error" in result:
-        raise result["error"]
+        raise result.pop("error")  # unbound here: no frame of this traceback refers back to it (no cycle)
     return result["value"]
 
 

@@ -222,3 +222,18 @@ def test_any_generate_arguments_either_match_dynamic_cache_or_are_refused_naming
             kwargs, ours)
     else:
         assert torch.equal(ours, dense), kwargs
+
+
+def test_use_cache_off_with_a_flexicache_is_refused_where_transformers_says_so() -> None:
+    """With ``use_cache=False`` transformers feeds the whole sequence to a passed cache at every step; from 5.24 the
+    cache sees the flag and refuses at once, naming it."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.24"):
+        pytest.skip("transformers before 5.24 does not pass use_cache to the cache")
+    cache = FlexiCache.from_model(MODEL, profile=PROFILE, token_budget=COVERING, page_size=4)
+    with pytest.raises(ValueError, match="use_cache=False with a FlexiCache"):
+        generate(cache, *PROMPTS, use_cache=False)
+    assert cache.get_seq_length() == 0
+    assert torch.equal(generate(cache, *PROMPTS), DENSE)  # nothing was stored: the cache works as new

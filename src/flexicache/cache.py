@@ -12,6 +12,7 @@ A cache nobody refers to is freed by reference counting alone, its host tier and
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -137,12 +138,16 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``Cache.update``; at a forward's first paged layer, first the checks of :mod:`flexicache.forward_guard`
         (state after an error, one thread per shared backend, room for the host tiers)."""
-        layers = self._flexi_layers()
-        if layers and layers[0].layer_idx == layer_idx and not layers[0].recording and not self.closed:
+        if layer_idx == self._first_paged_layer and not self.layers[layer_idx].recording and not self.closed:
             forward_guard.refuse_use_cache_off(kwargs.get("kwargs"))
-            forward_guard.begin_forward(self, layers, self.sequence, self.step_graphs.failed, self.backends,
-                                        key_states)
+            forward_guard.begin_forward(self, self._flexi_layers(), self.sequence, self.step_graphs.failed,
+                                        self.backends, key_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @functools.cached_property
+    def _first_paged_layer(self) -> int | None:
+        """Index of the first sparse paged layer, where a forward's checks run (``None``: the model has none)."""
+        return next((layer.layer_idx for layer in self._flexi_layers()), None)
 
     def holds_tokens(self) -> bool:
         """Whether the cache holds a generation's tokens (not empty, reset or closed)."""

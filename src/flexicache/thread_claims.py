@@ -42,9 +42,12 @@ def claim(cache: Claimant, backends: Iterable[object], where: str) -> None:
             holders = _claims.setdefault(backend, {})
             for key, (ident, name, ref) in list(holders.items()):
                 other = ref()
-                if other is None or not other.holds_tokens():
+                busy = other is not None and other.holds_tokens()
+                refused = busy and other is not cache and ident != thread.ident
+                del other  # a caught refusal's traceback must not keep the other cache alive
+                if not busy:
                     del holders[key]
-                elif other is not cache and ident != thread.ident:
+                elif refused:
                     raise RuntimeError(
                         f"This FlexiCache would decode on {where} from thread {thread.name!r} while another "
                         f"FlexiCache that holds tokens decodes there from thread {name!r}: the FlashInfer backend (its "
