@@ -122,6 +122,10 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         """The cache's sparse paged layers (the others, if a model mixes layer types, keep their own semantics)."""
         return [layer for layer in self.layers if isinstance(layer, FlexiLayer)]
 
+    def _other_layers(self) -> list[Any]:
+        """The cache's layers of other types (each crops and selects requests itself)."""
+        return [layer for layer in self.layers if not isinstance(layer, FlexiLayer)]
+
     def _wait_for_zero_copy_kernels(self) -> None:
         """Queued zero-copy kernels may still use the pinned host tier about to be freed: wait for them."""
         for layer in self._flexi_layers():
@@ -171,6 +175,8 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         for layer in self._flexi_layers():
             with attention.on_device(layer.device):
                 crop_storage(layer.storage, before, self.sequence.num_tokens_host)
+        for layer in self._other_layers():
+            layer.crop(tokens_to_remove)
         self._after_storage_change()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -180,11 +186,16 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
             raise ValueError(f"batch_repeat_interleave takes repeats >= 1, got {repeats}.")
         if self.sequence.logical_length and repeats > 1:
             self._select(torch.arange(self.sequence.batch_size).repeat_interleave(repeats))
+            for layer in self._other_layers():
+                layer.batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the requests ``indices`` (integer positions, any order, repeats allowed, or a boolean mask)."""
         if self.sequence.logical_length:
-            self._select(_request_index(indices, self.sequence.batch_size))
+            index = _request_index(indices, self.sequence.batch_size)
+            self._select(index)
+            for layer in self._other_layers():
+                layer.batch_select_indices(index)
 
     def _select(self, index: torch.Tensor) -> None:
         """Make every layer's storage that of requests ``index [B']`` (CPU ``long``), one layer at a time."""
