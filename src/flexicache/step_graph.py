@@ -114,6 +114,12 @@ class StepGraphStore:
         self.chunk = None
         self.pool = None
 
+    def reset_after_failure(self) -> None:
+        """Drop what a step that raised may have left: its graphs and a chunk staged for an attention that never
+        ran (``failed`` stays set: the cache refuses further steps until it is reset)."""
+        self.clear()
+        handoff.clear_staged()
+
     def reset(self) -> None:
         """:meth:`clear`, and forget the next step prepared ahead and any failed step (the cache was reset)."""
         self.clear()
@@ -267,37 +273,31 @@ def run_graphed_step(cache: SupportsStepGraphs, key: tuple, tensors: dict[str, t
         raise RuntimeError(f"A previous decode step of this FlexiCache run as a CUDA graph failed ({store.failed}): "
                            "its state is incomplete. Call cache.reset() and generate again from the prompt.")
     try:
-        return _run_graphed_step(store, cache, key, tensors, forward)
+        if store.storage is not None and store.chunk == store.sequence.num_chunks:  # nothing appended since
+            prepared = store.prepare_replay(store.storage)
+            recorded = store.steps.get((key, prepared[0])) if prepared is not None else None
+            if recorded is not None:
+                output = _replay(store, recorded, tensors, cache)
+                store.finish_replay(prepared[1])
+                store.chunk = store.sequence.num_chunks
+                store.prepare_next_step()
+                return output
+        rerank, storage = zip(*store.begin())
+        if storage != store.storage:  # something reallocated: the recorded graphs read freed memory
+            store.clear()
+            store.storage = storage
+        key = (key, rerank)
+        recorded = store.steps.get(key)
+        output = (_record(store, key, cache, tensors, forward) if recorded is None
+                  else _replay(store, recorded, tensors, cache))
+        store.chunk = store.sequence.num_chunks
+        if store.disabled is None:
+            store.prepare_next_step()
+        return output
     except BaseException as error:  # the step's host bookkeeping may have run without its device work
         store.failed = f"{type(error).__name__}: {error}"
-        store.clear()
-        handoff.clear_staged()
+        store.reset_after_failure()
         raise
-
-
-def _run_graphed_step(store: StepGraphStore, cache: SupportsStepGraphs, key: tuple, tensors: dict[str, torch.Tensor],
-                      forward: Callable[[dict[str, torch.Tensor]], Any]) -> Any:
-    if store.storage is not None and store.chunk == store.sequence.num_chunks:  # nothing appended since
-        prepared = store.prepare_replay(store.storage)
-        recorded = store.steps.get((key, prepared[0])) if prepared is not None else None
-        if recorded is not None:
-            output = _replay(store, recorded, tensors, cache)
-            store.finish_replay(prepared[1])
-            store.chunk = store.sequence.num_chunks
-            store.prepare_next_step()
-            return output
-    rerank, storage = zip(*store.begin())
-    if storage != store.storage:  # something reallocated: the recorded graphs read freed memory
-        store.clear()
-        store.storage = storage
-    key = (key, rerank)
-    recorded = store.steps.get(key)
-    output = (_record(store, key, cache, tensors, forward) if recorded is None
-              else _replay(store, recorded, tensors, cache))
-    store.chunk = store.sequence.num_chunks
-    if store.disabled is None:
-        store.prepare_next_step()
-    return output
 
 
 def _replay(store: StepGraphStore, recorded: RecordedStep, tensors: dict[str, torch.Tensor], cache: Any) -> Any:
