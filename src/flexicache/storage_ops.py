@@ -6,10 +6,10 @@ the memory FlexiCache exists to save. Here:
 
 - :func:`crop_storage` truncates in place: per request, the pages past the new end are forgotten (min/max back to
   empty, the unstable heads' slots kept for the tokens that come next), the new last page's min/max is recomputed
-  from its remaining tokens, the stable heads' selections of pages that are no longer full go, and a stable tail
-  that moves back to an earlier page is copied from the host tier into its tail slot. The result holds what a cache
-  that never saw the cropped tokens holds (pages, counts, min/max, host tier up to the new end); its selections are
-  those it had, less the pages cropped.
+  from its remaining tokens, the stable heads' selections of pages that are no longer full go (their heads then
+  rerank at the next decode step), and a stable tail that moves back to an earlier page is copied from the host tier
+  into its tail slot. The result holds what a cache that never saw the cropped tokens holds (pages, counts, min/max,
+  host tier up to the new end); its selections are those it had, less the pages cropped, until that rerank.
 - :func:`select_requests` makes the storage of the chosen requests (in order, repeats allowed) and copies their
   device pages, metadata, selections and host-tier rows into it, one layer at a time: at most one layer's storage
   exists twice.
@@ -36,6 +36,11 @@ def crop_storage(storage: LayerStorage, before: torch.Tensor, after: torch.Tenso
     old_pages, new_pages = (before + page_size - 1) // page_size, (after + page_size - 1) // page_size
     if storage.offloaded is not None:  # first: the stable tails' new pages come into their slots
         storage.offloaded.truncate(before, after)
+        full_before, full_after = ((tokens - 1).clamp(min=0) // page_size for tokens in (before, after))
+        if bool((full_after < full_before).any()):
+            # Selections may have lost pages: every row must list min(K - 1, full pages) of them at a decode step
+            # (the backends' layout), so the stable heads rerank at the next one (an extend chunk reranks anyway).
+            storage.offloaded.steps_since_rerank = storage.settings.rerank_interval
     if storage.resident is not None:
         storage.resident.keep_spare(old_pages)
     counts = (old_pages - new_pages)[changed]
