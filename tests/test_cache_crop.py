@@ -40,6 +40,12 @@ def chunk_inputs(generator: torch.Generator, batch: int, length: int) -> tuple[l
             [randn(batch, NUM_KV, length, HEAD_DIM) for _ in range(NUM_LAYERS)])
 
 
+def prefill(generator: torch.Generator, lengths: list[int]) -> tuple[torch.Tensor, tuple]:
+    """A left-padded prefill chunk of prompts of ``lengths`` tokens: its 2-D mask and per-layer inputs."""
+    mask = left_pad([torch.ones(length, dtype=torch.long) for length in lengths])[1]
+    return mask, chunk_inputs(generator, len(lengths), mask.shape[1])
+
+
 def make_driver(case: dict, seed: int = 0) -> Driver:
     config = tiny_config(group=GROUP, num_kv_heads=NUM_KV, num_layers=NUM_LAYERS, head_dim=HEAD_DIM)
     cache = checked(FlexiCache(config, profile=HeadProfile(NUM_LAYERS, NUM_KV, HEAD_DIM, case["unstable"]),
@@ -133,11 +139,7 @@ def test_a_crop_leaves_the_state_of_a_cache_that_never_saw_the_cropped_tokens(ca
     lists min(K, pages) pages per row (the stable heads rerank first where the crop took selected pages) and equals
     attention over the pages it lists."""
     generator = torch.Generator().manual_seed(case["seed"])
-    batch, prompt = len(case["lengths"]), max(case["lengths"])
-    prefill_mask = torch.zeros(batch, prompt, dtype=torch.long)
-    for row, length in enumerate(case["lengths"]):
-        prefill_mask[row, prompt - length:] = 1
-    chunks = [(prefill_mask, chunk_inputs(generator, batch, prompt))]
+    batch, chunks = len(case["lengths"]), [prefill(generator, case["lengths"])]
     if case["extend"] > 1:
         chunks.append((torch.ones(batch, case["extend"], dtype=torch.long),
                        chunk_inputs(generator, batch, case["extend"])))
@@ -181,11 +183,7 @@ def test_selected_requests_hold_the_state_of_a_cache_of_those_requests_alone(cas
     """batch_select_indices (any order, repeats) leaves exactly the state a cache fed only those requests has,
     selections and rerank phase included, and decoding on gives its outputs."""
     generator = torch.Generator().manual_seed(case["seed"])
-    batch, prompt = len(case["lengths"]), max(case["lengths"])
-    prefill_mask = torch.zeros(batch, prompt, dtype=torch.long)
-    for row, length in enumerate(case["lengths"]):
-        prefill_mask[row, prompt - length:] = 1
-    chunks = [(prefill_mask, chunk_inputs(generator, batch, prompt))]
+    batch, chunks = len(case["lengths"]), [prefill(generator, case["lengths"])]
     chunks += [(torch.ones(batch, 1, dtype=torch.long), chunk_inputs(generator, batch, 1))
                for _ in range(case["decode"])]
     rows = torch.tensor(case["rows"])
