@@ -58,6 +58,10 @@ EXPLANATIONS: dict[str, str] = {
                            "phase, storage after a growth); 0 off the CUDA + FlashInfer path",
     "step_graph_replays": "decode steps replayed from those graphs: the model's host work skipped (the rest ran "
                           "eagerly)",
+    "host_pool_in_use_bytes": "the process's pinned host pool (shared by every cache on CUDA): page-locked blocks "
+                              "lent to host tiers now; 0 on the CPU, whose host tier is ordinary memory",
+    "host_pool_reserved_bytes": "the pool's page-locked blocks, in use or kept for the next cache (FLEXICACHE_HOST_"
+                                "POOL_GIB bounds them, flexicache.host_pool.release() gives the unused ones back)",
 }
 
 

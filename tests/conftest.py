@@ -411,7 +411,7 @@ def expected_decode(driver: Driver, cache: FlexiCache, layer_idx: int, reranked:
         for head in range(driver.num_kv):
             q = query[b, head * group:(head + 1) * group]
             axes = torch.eye(head_dim, dtype=torch.float64)
-            if settings.principal_bounds:  # boxes in the axes the cache keeps them in (checked in test_key_basis)
+            if layer.storage.basis is not None:  # boxes in the cache's axes (checked in test_key_basis)
                 axes = layer.storage.basis.matrix[b, head].double()
             kmin, kmax = page_minmax(keys[head].double() @ axes, page_size)
             scores = quest(q @ axes, kmin, kmax, reduce, settings.spread_weight)

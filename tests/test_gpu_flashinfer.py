@@ -498,8 +498,11 @@ def test_pinned_zeros_is_page_locked_exact_and_unregistered_when_freed(monkeypat
 @pytest.fixture
 def registered_host_bytes(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
     """``{address: bytes}`` of the page-locked host memory (the host tiers) registered with CUDA and not yet
-    unregistered, from now on."""
-    from flexicache import host_memory
+    unregistered, from now on; host tiers come from a pool that keeps nothing a cache gives back (the pool's reuse:
+    tests/test_gpu_reliability.py)."""
+    from flexicache import host_memory, host_pool
+
+    monkeypatch.setattr(host_pool, "_process_pool", host_pool.HostPool(keep_free=False))
 
     live: dict[int, int] = {}
     register, release = host_memory._RegisteredMapping.register, host_memory._RegisteredMapping.__del__

@@ -179,23 +179,19 @@ def test_host_tier_reserves_decode_headroom_and_keeps_pages():
 
 
 def test_host_tier_growth_is_all_or_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """If the values' larger tier cannot be had (e.g. CUDA refuses to page-lock it), keys and values keep their old
-    size and contents: the kernels size both from the keys."""
+    """If the larger tier cannot be had (e.g. CUDA refuses to page-lock it, or it would not fit), keys and values keep
+    their old size and contents: the kernels size both from the keys."""
     from flexicache.offload import HostTier
 
     tier = HostTier(batch_size=1, num_heads=2, page_size=4, head_dim=8, dtype=torch.float32, pin_memory=False)
     tier.reserve(10)
     tier.k.fill_(1.0)
     tier.v.fill_(2.0)
-    allocate, calls = tier._zeros, []
 
-    def second_fails(shape, dtype):
-        calls.append(shape)
-        if len(calls) == 2:
-            raise RuntimeError("Could not page-lock 0.01 GiB of host memory")
-        return allocate(shape, dtype)
+    def refused(shape, dtype):
+        raise RuntimeError("Could not page-lock 0.01 GiB of host memory")
 
-    monkeypatch.setattr(tier, "_zeros", second_fails)
+    monkeypatch.setattr(tier, "_buffers", refused)
     with pytest.raises(RuntimeError, match="page-lock"):
         tier.reserve(200)
     assert tier.k.shape == tier.v.shape == (1, 2, 74, 4, 8)

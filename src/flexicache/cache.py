@@ -14,26 +14,28 @@ A cache nobody refers to is freed by reference counting alone, its host tier and
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from flexicache import attention, handoff
+from flexicache import attention, forward_guard, handoff
 from flexicache.backends import DecodeBackend, require_flashinfer_support
-from flexicache.config import FlexiCacheConfig, resolve_profile
+from flexicache.config import FlexiCacheConfig, integer_argument, resolve_profile
 from flexicache.decode_graph import StepInputs
 from flexicache.hybrid import LayerKind, check_supported_model, layer_kinds
+from flexicache.host_pool import host_pool
 from flexicache.layer import CLOSED_MESSAGE, FlexiLayer
 from flexicache.parallel import local_view
 from flexicache.profile import HeadProfile, model_shape
 from flexicache.sequence import SequenceState
 from flexicache.sliding import SlidingWindowLayer
 from flexicache.step_graph import HYBRID_REFUSAL, StepGraphStore, SupportsStepGraphs, enable_step_graphs
+from flexicache.storage_ops import crop_storage, select_requests
 
 NO_SPARSE_LAYERS_WARNING = (
     "This model has no full-attention layer (all {count} are sliding-window or chunked, windows {windows}): "
@@ -144,6 +146,9 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
     def sparse_layer_indices(self) -> list[int]:
         """The model layers this cache serves as sparse paged layers (the others are sliding-window layers)."""
         return [index for index, layer in enumerate(self.layers) if isinstance(layer, FlexiLayer)]
+    def _other_layers(self) -> list[Any]:
+        """The cache's layers of other types (each crops and selects requests itself)."""
+        return [layer for layer in self.layers if not isinstance(layer, FlexiLayer)]
 
     def _wait_for_zero_copy_kernels(self) -> None:
         """Queued zero-copy kernels may still use the pinned host tier about to be freed: wait for them."""
@@ -157,50 +162,85 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
             "or DynamicCache for beam search."
         )
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Cache.update``; at a forward's first paged layer, first the checks of :mod:`flexicache.forward_guard`
+        (state after an error, one thread per shared backend, room for the host tiers)."""
+        if layer_idx == self._first_paged_layer and not self.layers[layer_idx].recording and not self.closed:
+            forward_guard.refuse_use_cache_off(kwargs.get("kwargs"))
+            forward_guard.begin_forward(self, self._flexi_layers(), self.sequence, self.step_graphs.failed,
+                                        self.backends, key_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @functools.cached_property
+    def _first_paged_layer(self) -> int | None:
+        """Index of the first sparse paged layer, where a forward's checks run (``None``: the model has none)."""
+        return next((layer.layer_idx for layer in self._flexi_layers()), None)
+
+    def holds_tokens(self) -> bool:
+        """Whether the cache holds a generation's tokens (not empty, reset or closed)."""
+        return not self.closed and self.sequence.num_chunks > 0
+
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` logical positions (negative count, as transformers passes it)."""
+        """Remove the last ``-tokens_to_remove`` logical positions (negative count, as transformers passes it), in
+        place (:func:`~flexicache.storage_ops.crop_storage`); removing them all resets the cache."""
+        tokens_to_remove = integer_argument(tokens_to_remove, "tokens_to_remove", "negative: the tokens to remove")
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}.")
         if tokens_to_remove == 0 or self.sequence.logical_length == 0:
             return
+        self._check_usable()
         keep = self.sequence.logical_length + tokens_to_remove
-        self._rebuild(lambda tensor: tensor[:, :, :keep] if tensor.dim() == 4 else tensor[:, :keep])
+        if keep <= 0:
+            self.reset()
+            return
+        before = self.sequence.num_tokens_host
+        self.sequence.crop(keep)
+        for layer in self._flexi_layers():
+            with attention.on_device(layer.device):
+                crop_storage(layer.storage, before, self.sequence.num_tokens_host)
+        for layer in self._other_layers():
+            layer.crop(tokens_to_remove)
+        self._after_storage_change()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._rebuild(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+        """Repeat every request ``repeats`` times in place (request ``b`` becomes ``b * repeats .. + repeats - 1``)."""
+        repeats = integer_argument(repeats, "repeats", "at least 1")
+        if repeats < 1:
+            raise ValueError(f"batch_repeat_interleave takes repeats >= 1, got {repeats}.")
+        if self.sequence.logical_length and repeats > 1:
+            self._select(torch.arange(self.sequence.batch_size).repeat_interleave(repeats))
+            for layer in self._other_layers():
+                layer.batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._rebuild(lambda tensor: tensor[indices.to(tensor.device)])
+        """Keep the requests ``indices`` (integer positions, any order, repeats allowed, or a boolean mask)."""
+        if self.sequence.logical_length:
+            index = _request_index(indices, self.sequence.batch_size)
+            self._select(index)
+            for layer in self._other_layers():
+                layer.batch_select_indices(index)
 
-    def _rebuild(self, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Read every token back, transform keys/values ``[B, H, L, D]`` and validity ``[B, L]``, re-page.
+    def _select(self, index: torch.Tensor) -> None:
+        """Make every layer's storage that of requests ``index [B']`` (CPU ``long``), one layer at a time."""
+        self._check_usable()
+        num_tokens = self.sequence.num_tokens_host
+        for layer in self._flexi_layers():
+            with attention.on_device(layer.device):
+                layer.use_storage(select_requests(layer.storage, index, num_tokens))
+        self.sequence.select(index)
+        self.step_inputs.clear()  # sized for the old batch
+        self._after_storage_change()
 
-        The stable heads rerank at the next decode step (their selection needs a query). The work counters are
-        cumulative: they keep counting through the rebuild (whose own transfers are added).
-        """
-        if self.sequence.logical_length == 0:
-            return
-        valid = transform(self.sequence.logical_valid())
-        contents = [(layer, *map(transform, layer.read_logical())) for layer in self.layers]
-        counters = [(layer.unstable_counters, layer.storage.offloaded.counters if layer.storage.offloaded else None)
-                    for layer in self.layers]
-        decode_steps = self.sequence.decode_steps
-        self.reset()
-        for (layer, keys, values), (unstable_counters, stable_counters) in zip(contents, counters):
-            with attention.on_device(keys.device):  # read back on the layer's device
-                layer.lazy_initialization(keys, values)
-                plan = self.sequence.plan_chunk(0, None if bool(valid.all()) else valid.to(keys.device),
-                                                keys.shape[0], keys.shape[2], keys.device)
-                layer.append(keys, values, plan)
-            layer.unstable_counters = unstable_counters
-            offloaded = layer.storage.offloaded
-            if offloaded is not None:
-                offloaded.steps_since_rerank = self.settings.rerank_interval
-                for name in ("reranks", "promoted_pages", "bytes_h2d", "bytes_d2h"):
-                    added = getattr(offloaded.counters, name)
-                    setattr(stable_counters, name, getattr(stable_counters, name) + added)
-                offloaded.counters = stable_counters
-        self.sequence.decode_steps = decode_steps
+    def _check_usable(self) -> None:
+        """Refuse a cache operation on a closed cache or one whose last forward stopped part-way."""
+        if self.closed:
+            raise RuntimeError(CLOSED_MESSAGE)
+        forward_guard.check_in_step(self._flexi_layers(), self.sequence, self.step_graphs.failed)
+
+    def _after_storage_change(self) -> None:
+        """The layers' storage changed under the recorded whole-step graphs: the next decode step records again."""
+        self.step_graphs.clear()
 
     # --------------------------------------------------------------------------------------------------- stats
 
@@ -215,7 +255,9 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         ``sliding_kv_bytes`` (the sliding-window layers' share of both; 0 in a model without such layers),
         ``reranks_unstable``/``reranks_stable`` (rows reranked: one row is one
         request x one KV head), ``promoted_pages``, ``bytes_h2d``/``bytes_d2h``, ``decode_steps``, ``backend``,
-        ``step_graph_captures``/``step_graph_replays`` (decode steps recorded / replayed as whole-step CUDA graphs).
+        ``step_graph_captures``/``step_graph_replays`` (decode steps recorded / replayed as whole-step CUDA graphs),
+        ``host_pool_in_use_bytes``/``host_pool_reserved_bytes`` (the process's pinned host pool: lent to host tiers /
+        registered, :mod:`flexicache.host_pool`).
         """
         if self.closed:
             raise RuntimeError(CLOSED_MESSAGE)
@@ -233,6 +275,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         totals["step_graph_replays"] = self.step_graphs.replays
         totals["unstable_heads"] = len(self.profile.unstable_heads)
         totals["token_budget"] = self.settings.token_budget
+        totals.update(host_pool().stats())  # the process's pool, shared by every cache on CUDA
         return totals
 
 
@@ -241,3 +284,22 @@ def _covering_window(kinds: list[LayerKind]) -> int | None:
     ``max_position_embeddings``, see :mod:`flexicache.hybrid`), or ``None`` if there are none."""
     windows = [kind.window for kind in kinds if kind.sparse and kind.window is not None]
     return min(windows) if windows else None
+
+
+def _request_index(indices: object, batch_size: int) -> torch.Tensor:
+    """``indices`` (integer positions, negative ones from the end, or a ``[B]`` boolean mask) as a CPU ``long``
+    tensor of positions in ``[0, batch_size)``."""
+    index = torch.as_tensor(indices).cpu()
+    if index.dtype == torch.bool:
+        if index.shape != (batch_size,):
+            raise ValueError(f"a boolean indices mask must have one entry per request ({batch_size}), got shape "
+                             f"{tuple(index.shape)}.")
+        index = index.nonzero().view(-1)
+    if index.dim() != 1 or index.dtype.is_floating_point or index.dtype.is_complex:
+        raise ValueError(f"indices must be a 1-D tensor of request positions (or a boolean mask), got "
+                         f"{index.dtype} of shape {tuple(index.shape)}.")
+    if index.numel() == 0:
+        raise ValueError("indices selects no request; call cache.reset() to empty the cache.")
+    if bool(((index < -batch_size) | (index >= batch_size)).any()):
+        raise IndexError(f"indices {index.tolist()} out of range for a batch of {batch_size} requests.")
+    return index.long() % batch_size

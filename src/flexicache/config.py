@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import math
 import operator
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
-from flexicache.profile import HeadProfile
+from flexicache.profile import PROFILE_FILENAME, HeadProfile
 
 BackendName = Literal["auto", "reference", "flashinfer"]
 
@@ -52,22 +55,24 @@ class FlexiCacheConfig:
     max_cache_len: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.page_size, int) or self.page_size < 1 or self.page_size & (self.page_size - 1):
+        page_size = integer_argument(self.page_size, "page_size", "a power of two (e.g. 16)")
+        if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two (e.g. 16), got {self.page_size!r}.")
-        if not isinstance(self.token_budget, int) or self.token_budget < 2 * self.page_size:
+        token_budget = integer_argument(self.token_budget, "token_budget", "a multiple of page_size")
+        if token_budget < 2 * page_size:
             raise ValueError(
                 f"token_budget={self.token_budget!r} is smaller than the sink page plus the tail page "
-                f"(2 * page_size = {2 * self.page_size}); raise token_budget or lower page_size."
+                f"(2 * page_size = {2 * page_size}); raise token_budget or lower page_size."
             )
-        if self.token_budget % self.page_size:
+        if token_budget % page_size:
             raise ValueError(
-                f"token_budget={self.token_budget} is not a multiple of page_size={self.page_size}; "
-                f"use {self.token_budget // self.page_size * self.page_size} or "
-                f"{(self.token_budget // self.page_size + 1) * self.page_size}."
+                f"token_budget={token_budget} is not a multiple of page_size={page_size}; "
+                f"use {token_budget // page_size * page_size} or {(token_budget // page_size + 1) * page_size}."
             )
-        if not isinstance(self.rerank_interval, int) or self.rerank_interval < 1:
+        rerank_interval = integer_argument(self.rerank_interval, "rerank_interval", "a positive integer")
+        if rerank_interval < 1:
             raise ValueError(f"rerank_interval must be a positive integer, got {self.rerank_interval!r}.")
-        if self.group_reduce not in ("max", "sum"):
+        if not isinstance(self.group_reduce, str) or self.group_reduce not in ("max", "sum"):
             raise ValueError(f"group_reduce must be 'max' or 'sum', got {self.group_reduce!r}.")
         if (isinstance(self.spread_weight, bool) or not isinstance(self.spread_weight, (int, float))
                 or not 0.0 <= self.spread_weight <= 1.0):
@@ -75,10 +80,13 @@ class FlexiCacheConfig:
         object.__setattr__(self, "spread_weight", float(self.spread_weight))
         if not isinstance(self.principal_bounds, bool):
             raise ValueError(f"principal_bounds must be True or False, got {self.principal_bounds!r}.")
-        if self.backend not in ("auto", "reference", "flashinfer"):
+        if not isinstance(self.backend, str) or self.backend not in ("auto", "reference", "flashinfer"):
             raise ValueError(f"backend must be 'auto', 'reference' or 'flashinfer', got {self.backend!r}.")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}.")
+        for name, value in (("page_size", page_size), ("token_budget", token_budget),
+                            ("rerank_interval", rerank_interval), ("spread_weight", float(self.spread_weight))):
+            object.__setattr__(self, name, value)
         if self.max_cache_len is not None:
             object.__setattr__(self, "max_cache_len", _positive_tokens(self.max_cache_len))
 
@@ -93,14 +101,24 @@ class FlexiCacheConfig:
         return self.token_budget // self.page_size
 
 
-def _positive_tokens(value: object) -> int:
-    """``max_cache_len`` as a Python int (numpy and torch integers accepted); bools, floats, strings and values
-    below 1 raise."""
+def integer_argument(value: object, name: str, expected: str) -> int:
+    """``value`` as a Python int (numpy and torch integers accepted); bools, floats and strings raise
+    ``ValueError`` naming ``name`` and saying what is ``expected``."""
     try:
-        tokens = operator.index(value) if not isinstance(value, bool) else None
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
     except TypeError:
-        tokens = None
-    if tokens is None or tokens < 1:
+        raise ValueError(f"{name} must be an integer ({expected}), got {value!r}.") from None
+
+
+def _positive_tokens(value: object) -> int:
+    """``max_cache_len`` as a Python int >= 1 (numpy and torch integers accepted)."""
+    try:
+        tokens = integer_argument(value, "max_cache_len", "")
+    except ValueError:
+        tokens = 0
+    if tokens < 1:
         raise ValueError(f"max_cache_len must be a positive number of tokens (prompt + new tokens) or None, "
                          f"got {value!r}.")
     return tokens
@@ -109,10 +127,83 @@ def _positive_tokens(value: object) -> int:
 def resolve_profile(profile: HeadProfile | str | os.PathLike | None, config: Any) -> HeadProfile:
     """The :class:`HeadProfile` of a cache for the model ``config``, checked against its shape: ``profile`` itself,
     or one read as :meth:`HeadProfile.from_pretrained` reads it (a file, a folder, a shipped profile's name such as
-    ``"smollm2-135m-instruct"``, a hub repository id), or :meth:`HeadProfile.default` for ``None``."""
+    ``"smollm2-135m-instruct"``, a hub repository id), or :meth:`HeadProfile.default` for ``None``.
+
+    Raises:
+        ValueError: naming ``profile``: a file that is not a profile (not JSON, missing or mistyped fields), a
+            profile with fields out of range (e.g. scores that are not finite or not one per head), or one made
+            for a model of another shape.
+    """
+    named = "profile"  # how messages name it
     if profile is None:
         profile = HeadProfile.default(config)
     elif not isinstance(profile, HeadProfile):
-        profile = HeadProfile.from_pretrained(profile)
+        if not isinstance(profile, (str, os.PathLike)):
+            raise TypeError(f"profile must be a HeadProfile, a path or name of one, or None, got "
+                            f"{type(profile).__name__}.")
+        source = str(profile)
+        named = f"profile={source!r}"
+        try:
+            profile = HeadProfile.from_pretrained(profile)
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as error:  # what a malformed file raises
+            data = _profile_data(source)
+            if isinstance(data, dict):
+                check_profile_fields(data, named)  # names the field when one is at fault
+            raise ValueError(f"{named} is not a readable FlexiCache HeadProfile "
+                             f"({type(error).__name__}: {error}). Pass a file written by HeadProfile.save or "
+                             "`flexicache profile`, a shipped profile's name, or profile=None for the default."
+                             ) from error
+    check_profile_fields(profile.to_dict(), named)
     profile.validate_for(config)
     return profile
+
+
+def _profile_data(source: str) -> object:
+    """The JSON in the profile file ``source`` names (a file, or a folder's profile file), ``None`` if unreadable."""
+    path = Path(source)
+    path = path / PROFILE_FILENAME if path.is_dir() else path
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def check_profile_fields(fields: dict[str, Any], what: str) -> None:
+    """Raise ``ValueError`` naming the field of a profile (``fields``, as :meth:`HeadProfile.to_dict` gives them)
+    whose type or range no profile can have; ``what`` names the profile in the message."""
+    def integer(value: object, minimum: int = 1, optional: bool = False) -> bool:
+        return (optional and value is None) or (
+            isinstance(value, int) and not isinstance(value, bool) and value >= minimum)
+
+    def refuse(name: str, expected: str) -> None:
+        raise ValueError(f"{what}: field {name} must be {expected}, got {fields.get(name)!r}.")
+
+    for name in ("num_layers", "num_kv_heads", "head_dim"):
+        if not integer(fields.get(name)):
+            refuse(name, "a positive integer")
+    heads = fields.get("unstable_heads")
+    if not isinstance(heads, list) or not all(
+            isinstance(pair, (list, tuple)) and len(pair) == 2 and all(integer(index, minimum=0) for index in pair)
+            for pair in heads):
+        refuse("unstable_heads", "a list of [layer, KV head] pairs of integers >= 0")
+    for name in ("page_size", "token_budget"):
+        if not integer(fields.get(name), optional=True):
+            refuse(name, "a positive integer or null")
+    fraction = fields.get("unstable_fraction")
+    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                 or not 0.0 <= fraction <= 1.0):
+        refuse("unstable_fraction", "a number in [0, 1] or null")
+    scores, shape = fields.get("scores"), (fields["num_layers"], fields["num_kv_heads"])
+    if scores is not None:
+        if (not isinstance(scores, list) or len(scores) != shape[0]
+                or any(not isinstance(row, list) or len(row) != shape[1] for row in scores)):
+            refuse("scores", f"{shape[0]} lists of {shape[1]} numbers (one per layer and KV head) or null")
+        if not all(isinstance(score, (int, float)) and not isinstance(score, bool) and math.isfinite(score)
+                   for row in scores for score in row):
+            refuse("scores", "finite numbers (NaN or infinite scores come from a failed profiling run: profile the "
+                   "model again)")
+    for name in ("calibration", "model_info"):
+        if not isinstance(fields.get(name, {}), dict):
+            refuse(name, "a JSON object")
+    if not isinstance(fields.get("model", ""), str):
+        refuse("model", "a string")

@@ -11,6 +11,7 @@ page table growth, a new plan wrapper) changes the graph's storage key, and the 
 from __future__ import annotations
 
 import gc
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -94,7 +95,14 @@ class DecodeGraph:
             return self.output
         launch()  # this step's work; also compiles the kernels before any capture
         if self.capture:
-            self._graph = capture(launch, self.output.device)  # a private pool: the kernels allocate nothing
+            self._graph = None  # a failed capture below leaves no half-recorded graph to replay
+            try:
+                self._graph = capture(launch, self.output.device)  # a private pool: the kernels allocate nothing
+            except RuntimeError as error:  # the step's work ran above: the layer goes on launching eagerly
+                self.capture = False
+                warnings.warn(f"FlexiCache: a layer's decode step could not be captured as a CUDA graph ({error}); "
+                              "it launches its kernels one by one from now on.", RuntimeWarning, stacklevel=2)
+                return self.output
             self._storage_key = storage_key
             self.captures += 1
         return self.output

@@ -73,10 +73,16 @@ def _put(chunk: StagedChunk) -> None:
     previous = getattr(_local, "chunk", None)
     _local.chunk = chunk
     if previous is not None and previous.layer is not None:
-        _local.chunk = None  # drop both: once the model is switched, the next forward must not fail again
+        _local.chunk = None  # drop both: once the model is switched (or the cache reset), the next forward works
+        if previous.layer_idx < chunk.layer_idx:  # this forward went on to the next layer without the flexicache attention
+            raise RuntimeError(
+                f"FlexiCache layer {previous.layer_idx} was updated but its attention did not run through the "
+                f"flexicache attention function: the model uses another attn_implementation. {SWITCH_HINT}"
+            )
         raise RuntimeError(
-            f"FlexiCache layer {previous.layer_idx} was updated but its attention did not run through the "
-            f"flexicache attention function: the model uses another attn_implementation. {SWITCH_HINT}"
+            f"FlexiCache layer {previous.layer_idx} was updated in an earlier forward but never attended: that "
+            "forward stopped between the cache update and the attention (call cache.reset() before using the cache "
+            f"again), or the model uses another attn_implementation ({SWITCH_HINT})"
         )
 
 

@@ -67,6 +67,32 @@ def _clear_last_cuda_error() -> None:
         get_last_error()
 
 
+def pinned_mapping(nbytes: int) -> _RegisteredMapping:
+    """An anonymous mapping of exactly ``nbytes`` (> 0), zero-filled, page-locked and mapped for every CUDA device;
+    unregistered and unmapped when the last reference to it goes.
+
+    Raises:
+        RuntimeError: CUDA refused to page-lock the memory (e.g. the locked-memory limit); the message says so.
+    """
+    mapping = _RegisteredMapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer pages to lock; ignored where huge pages are off
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+    tensor.zero_()  # faults the pages in on all of torch's threads: locking them then takes a fraction of the time
+    del tensor  # a view would keep the mapping from closing below
+    try:
+        mapping.register()
+    except RuntimeError as error:
+        mapping.close()  # give the faulted-in memory back now, not when the traceback goes
+        raise RuntimeError(f"Could not page-lock {nbytes / 2**30:.2f} GiB of host memory for FlexiCache's host tier "
+                           f"({error}). Free host memory, raise the locked-memory limit (ulimit -l), or lower the "
+                           "batch size, the context or the cache's max_cache_len.") from error
+    return mapping
+
+
 def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled, page-locked host tensor of ``shape`` (exactly its bytes), usable by every CUDA device.
 
@@ -76,22 +102,11 @@ def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    if not hasattr(mmap, "MAP_ANONYMOUS"):  # no anonymous mappings (Windows): torch's own pinned allocation
+    if not anonymous_mappings():  # (Windows): torch's own pinned allocation
         return torch.zeros(shape, dtype=dtype, pin_memory=True)
-    mapping = _RegisteredMapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer pages to lock; ignored where huge pages are off
-        try:
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    tensor = torch.frombuffer(mapping, dtype=torch.uint8)
-    tensor.zero_()  # faults the pages in on all of torch's threads: locking them then takes a fraction of the time
-    try:
-        mapping.register()
-    except RuntimeError as error:
-        del tensor  # give the faulted-in memory back now, not when the traceback goes
-        mapping.close()
-        raise RuntimeError(f"Could not page-lock {nbytes / 2**30:.2f} GiB of host memory for FlexiCache's host tier "
-                           f"({error}). Free host memory, raise the locked-memory limit (ulimit -l), or lower the "
-                           "batch size, the context or the cache's max_cache_len.") from error
-    return tensor.view(dtype).view(shape)
+    return torch.frombuffer(pinned_mapping(nbytes), dtype=dtype).view(shape)
+
+
+def anonymous_mappings() -> bool:
+    """Whether this platform has anonymous memory mappings (not on Windows)."""
+    return hasattr(mmap, "MAP_ANONYMOUS")

@@ -79,10 +79,17 @@ class FlexiLayer(CacheLayerMixin):
             )
         device, dtype = key_states.device, key_states.dtype
         fused = decode_paths.fused_kernels_available(device, head_dim)
-        self.storage = LayerStorage(self.settings, self.unstable_heads, self.num_kv_heads, batch_size, head_dim,
-                                    dtype, device, decode_paths.reserved_device_pages(self.settings, fused))
+        storage = LayerStorage(self.settings, self.unstable_heads, self.num_kv_heads, batch_size, head_dim, dtype,
+                               device, decode_paths.reserved_device_pages(self.settings, fused))
         self.backend = layer_backend(self.backends, self.settings.backend, device, dtype, head_dim)
-        self.path = decode_paths.choose_decode_path(self.storage, self.backend, fused, self.step_inputs)
+        self.use_storage(storage)
+
+    def use_storage(self, storage: LayerStorage) -> None:
+        """Hold ``storage`` (made at the first update, or for a new selection of requests) with the decode path
+        chosen for it."""
+        fused = decode_paths.fused_kernels_available(storage.device, storage.head_dim)
+        self.storage = storage
+        self.path = decode_paths.choose_decode_path(storage, self.backend, fused, self.step_inputs)
         self.graphed = self.path if isinstance(self.path, GraphedDecode) else None
         self.is_initialized = True
 

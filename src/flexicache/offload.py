@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from flexicache.backends import triton_available
-from flexicache.host_memory import pinned_zeros
+from flexicache import host_tier
+from flexicache.host_tier import HostTier
 from flexicache.paging import PagePool
 from flexicache.selection import update_selection
 from flexicache.sequence import AppendPlan, host_to_device, per_row
@@ -43,64 +44,6 @@ class TransferCounters:
     bytes_d2h: int = 0
 
 
-class HostTier:
-    """Full pages of ``h`` stable heads in host memory: ``k``/``v`` of shape ``[B, h, P, ps, D]`` (``capacity`` pages
-    per row up front).
-
-    ``pin_memory``: page-locked (:func:`~flexicache.host_memory.pinned_zeros`, for CUDA copies and zero-copy
-    kernels); the memory of a replaced tier goes back to the system as soon as nothing views it.
-    """
-
-    def __init__(self, batch_size: int, num_heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
-                 pin_memory: bool, capacity: int = 0) -> None:
-        self.pin_memory = pin_memory
-        self.k = self._zeros((batch_size, num_heads, capacity, page_size, head_dim), dtype)
-        self.v = self._zeros((batch_size, num_heads, capacity, page_size, head_dim), dtype)
-
-    @torch.inference_mode(False)  # made outside inference mode, like every buffer a cache keeps (flexicache.storage)
-    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return pinned_zeros(shape, dtype) if self.pin_memory else torch.zeros(shape, dtype=dtype)
-
-    def reserve(self, num_pages: int) -> None:
-        """Room for ``num_pages`` pages per row, plus a quarter (at least 64 pages) for the tokens to come: a prefill
-        reserves its decode headroom at once, so the first full page after it does not reallocate the whole tier."""
-        if num_pages <= self.k.shape[2]:
-            return
-        shape = list(self.k.shape)
-        shape[2] = num_pages + max(64, num_pages // 4)
-        # Both or neither (a refusal leaves the tier as it was), so the old and new keys and values coexist briefly.
-        grown_k, grown_v = (self._zeros(tuple(shape), old.dtype) for old in (self.k, self.v))
-        grown_k[:, :, : self.k.shape[2]].copy_(self.k)
-        grown_v[:, :, : self.v.shape[2]].copy_(self.v)
-        self.k, self.v = grown_k, grown_v
-
-    @property
-    def nbytes_reserved(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
-
-    def pages(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tier as ``[B * h * P, ps, D]`` pages (keys, values): page ``p`` of row ``r`` is ``r * P + p``."""
-        shape = (-1, *self.k.shape[3:])
-        return self.k.view(shape), self.v.view(shape)
-
-    def to_device(self, num_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``num_pages`` pages of every row as device ``[B, h, num_pages, ps, D]`` keys/values: one
-        asynchronous copy per row and tensor from the page-locked tier (a row's pages are contiguous in it)."""
-        batch_size, num_heads, capacity, page_size, head_dim = self.k.shape
-        copies = []
-        for pages in (self.k, self.v):
-            target = torch.empty(batch_size * num_heads, num_pages, page_size, head_dim, dtype=pages.dtype,
-                                 device=device)
-            by_row = pages.view(batch_size * num_heads, capacity, page_size, head_dim)
-            if num_pages == capacity:
-                target.copy_(by_row, non_blocking=True)
-            else:
-                for row in range(batch_size * num_heads):
-                    target[row].copy_(by_row[row, :num_pages], non_blocking=True)
-            copies.append(target.view(batch_size, num_heads, num_pages, page_size, head_dim))
-        return copies[0], copies[1]
-
-
 class OffloadedPages:
     """Device slots, selection state and host tier of the stable heads of one layer.
 
@@ -122,8 +65,8 @@ class OffloadedPages:
         self.selected = torch.full((rows, pages_per_head - 1), -1, dtype=torch.long, device=device)
         self.selected_scores = torch.full((rows, pages_per_head - 1), float("-inf"), device=device)
         self.all_requests = torch.arange(batch_size, device=device)
-        self.host = HostTier(batch_size, num_heads, page_size, head_dim, dtype, pin_memory=device.type == "cuda",
-                             capacity=host_pages)
+        self.host = HostTier(batch_size, num_heads, page_size, head_dim, dtype,
+                             pin_memory=host_tier.pins_host_tier(device), capacity=host_pages)
         self.counters = TransferCounters()
         self.steps_since_rerank = 0
         self.zero_copy = zero_copy_available(device)
@@ -276,6 +219,52 @@ class OffloadedPages:
         self.pool.v[tail_slots] = tails_v.to(self.pool.v.device, non_blocking=True)
         self.counters.bytes_h2d += self._page_bytes(nonempty.numel() * self.num_heads)
 
+    # ----------------------------------------------------------------------------------------- crop, reorder
+
+    def truncate(self, before: torch.Tensor, after: torch.Tensor) -> None:
+        """A crop from ``before [B]`` to ``after [B]`` real tokens per request (CPU): selections of pages that are no
+        longer full go; a request whose tail moves back to an earlier page gets it from the host tier into its tail
+        slot (the host holds every full page). Device work only, ordered after the kernels that write the tier."""
+        page_size, device = self.page_size, self.pool.k.device
+        full_pages = per_row(host_to_device((after - 1).clamp(min=0) // page_size, device), self.num_heads)
+        gone = self.selected >= full_pages.unsqueeze(1)
+        self.selected.masked_fill_(gone, -1)  # in place: captured decode graphs read this storage
+        self.selected_scores.masked_fill_(gone, float("-inf"))
+        new_pages = (after + page_size - 1) // page_size
+        moved = ((new_pages < (before + page_size - 1) // page_size) & (after > 0)).nonzero().view(-1)
+        if moved.numel():
+            batch, page = host_to_device(moved, device), host_to_device(new_pages[moved] - 1, device)
+            tail_slots = self._tail_slots(batch)
+            self._copy_pages(self.host.pages(), self._device_pages(), self._host_page_index(batch, page), tail_slots,
+                             torch.ones_like(tail_slots, dtype=torch.bool))
+            self._count_copied_to_device(moved.numel() * self.num_heads)
+
+    def tail_keys(self, batch: torch.Tensor) -> torch.Tensor:
+        """``[n, h, ps, D]`` keys in the tail slots of requests ``batch [n]``."""
+        return self.pool.k[self._tail_slots(batch)].view(batch.numel(), self.num_heads, self.page_size, -1)
+
+    def take_rows(self, source: OffloadedPages, index: torch.Tensor) -> None:
+        """Hold the rows of requests ``index [B']`` (CPU) of ``source`` (another pool's): device slots, selections,
+        host tier (copied request by request, no dense copy), counters and rerank phase."""
+        device = self.pool.k.device
+        rows = source._rows_of(index.to(device))  # [B' * h] source row of each new row, in order
+        self.selected.copy_(source.selected[rows])
+        self.selected_scores.copy_(source.selected_scores[rows])
+        positions = torch.arange(self.k, device=device)
+        target = self.base + torch.arange(rows.numel(), device=device).view(-1, 1) * self.k + positions
+        held = source.base + rows.view(-1, 1) * self.k + positions  # [B' * h, K] each
+        self.pool.k[target] = source.pool.k[held]
+        self.pool.v[target] = source.pool.v[held]
+        if source.zero_copy:  # zero-copy kernels may still write the source tier
+            torch.cuda.synchronize(device)
+        _, _, capacity, page_size, head_dim = source.host.k.shape
+        self.host = HostTier(index.numel(), self.num_heads, page_size, head_dim, source.host.k.dtype,
+                             source.host.pin_memory, capacity)
+        for target, request in enumerate(index.tolist()):
+            self.host.k[target].copy_(source.host.k[request])
+            self.host.v[target].copy_(source.host.v[request])
+        self.counters, self.steps_since_rerank = source.counters, source.steps_since_rerank
+
     # ----------------------------------------------------------------------------------------------- rerank
 
     def rerank(self, scores: torch.Tensor, num_full_pages: torch.Tensor) -> None:
@@ -318,6 +307,13 @@ class OffloadedPages:
         else:
             counters.promoted_pages = counters.promoted_pages + count
             counters.bytes_h2d = counters.bytes_h2d + count * self._page_bytes(1)
+
+    def _count_copied_to_device(self, num_pages: int) -> None:
+        """Add ``num_pages`` pages copied to the device outside a rerank (in place where the counter is)."""
+        if self.zero_copy and torch.is_tensor(self.counters.bytes_h2d):
+            self.counters.bytes_h2d.add_(self._page_bytes(num_pages))
+        else:
+            self.counters.bytes_h2d = self.counters.bytes_h2d + self._page_bytes(num_pages)
 
     # ----------------------------------------------------------------------------------------------- decode
 

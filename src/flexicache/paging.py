@@ -77,6 +77,20 @@ class PageMetadata:
             folded = meta[touched_batch, :, touched_page].scatter_reduce_(0, index, new_keys, reduce)
             meta[touched_batch, :, touched_page] = folded
 
+    def clear_pages(self, batch: torch.Tensor, page: torch.Tensor) -> None:
+        """Forget pages ``page [n]`` of requests ``batch [n]`` (every head): min ``+inf``, max ``-inf``, as never
+        written."""
+        self.kmin[batch, :, page] = float("inf")
+        self.kmax[batch, :, page] = float("-inf")
+
+    def refold(self, batch: torch.Tensor, page: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Recompute the min/max of pages ``page [n]`` of requests ``batch [n]`` from their first ``lengths [n]``
+        tokens, ``keys [n, H, ps, D]`` (the rest of each page is ignored)."""
+        kept = (torch.arange(keys.shape[2], device=keys.device) < lengths.view(-1, 1)).view(-1, 1, keys.shape[2], 1)
+        keys = keys.to(self.kmin.dtype)
+        self.kmin[batch, :, page] = keys.masked_fill(~kept, float("inf")).amin(dim=2)
+        self.kmax[batch, :, page] = keys.masked_fill(~kept, float("-inf")).amax(dim=2)
+
     def rows(self, heads: torch.Tensor, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kmin, kmax)`` of the first ``num_pages`` pages of ``heads`` as ``[B * len(heads), num_pages, D]``."""
         head_dim = self.kmin.shape[-1]
@@ -115,7 +129,7 @@ class ResidentPages:
     """Every page of ``h`` heads on the device, in the layer's :class:`PagePool`, with a page table per row.
 
     ``table``: ``[B, h, P]`` pool slot of every page (``-1`` = none), ``capacity`` pages per row up front. Slots are
-    never freed (the cache rebuilds on crop/reset).
+    never freed: the pages a crop removes keep theirs in the table (``spare``) for the tokens that come next.
     """
 
     def __init__(self, pool: PagePool, batch_size: int, num_heads: int, page_size: int, capacity: int = 0) -> None:
@@ -123,6 +137,9 @@ class ResidentPages:
         self.num_heads = num_heads
         self.page_size = page_size
         self.table = torch.full((batch_size, num_heads, capacity), -1, dtype=torch.long, device=pool.k.device)
+        # [B] (CPU) pages of each request whose table entries hold pool slots, where a crop left some beyond its
+        # tokens; None: the table holds slots for exactly the requests' pages.
+        self.spare: torch.Tensor | None = None
 
     def reserve_pages(self, plan: AppendPlan) -> int:
         """Room in the page table and ``num_new_pages x h`` new pool slots for the pages the chunk starts; returns
@@ -131,12 +148,64 @@ class ResidentPages:
         return self.pool.allocate(plan.num_new_pages * self.num_heads)
 
     def open_pages(self, plan: AppendPlan) -> None:
-        """Give every page the chunk starts a pool slot per head."""
+        """Give every page the chunk starts a pool slot per head (the slot it had before a crop, if any)."""
         num_new = plan.num_new_pages * self.num_heads
-        if num_new:
+        if num_new and self.spare is not None:
+            self._open_pages_reusing(plan)
+        elif num_new:
             start = self.reserve_pages(plan)
             slots = torch.arange(start, start + num_new, device=self.table.device)
             self.table[plan.new_page_batch, :, plan.new_page_index] = slots.view(-1, self.num_heads)
+
+    def _open_pages_reusing(self, plan: AppendPlan) -> None:
+        """:meth:`open_pages` after a crop: pages below ``spare`` keep their table entries, the others get new
+        slots."""
+        page_size = self.page_size
+        first_new = (plan.before_host + page_size - 1) // page_size
+        end_new = (plan.after_host + page_size - 1) // page_size
+        fresh_start = torch.maximum(first_new, self.spare)
+        counts = (end_new - fresh_start).clamp(min=0)
+        self.table = grow_dim(self.table, 2, plan.max_pages_after, -1)
+        total = int(counts.sum())
+        if total:
+            start = self.pool.allocate(total * self.num_heads)
+            batch = torch.arange(counts.numel()).repeat_interleave(counts)
+            first = torch.cumsum(counts, 0) - counts
+            page = fresh_start.repeat_interleave(counts) + torch.arange(total) - first.repeat_interleave(counts)
+            slots = torch.arange(start, start + total * self.num_heads, device=self.table.device)
+            device = self.table.device
+            self.table[batch.to(device), :, page.to(device)] = slots.view(-1, self.num_heads)
+        self.spare = torch.maximum(self.spare, end_new)
+        if bool((self.spare == end_new).all()):
+            self.spare = None
+
+    def keep_spare(self, pages: torch.Tensor) -> None:
+        """A crop left each request ``pages [B]`` (CPU) pages with slots, some now beyond its tokens."""
+        self.spare = pages.clone() if self.spare is None else torch.maximum(self.spare, pages)
+
+    def page_keys(self, batch: torch.Tensor, page: torch.Tensor) -> torch.Tensor:
+        """``[n, h, ps, D]`` keys of page ``page [n]`` of requests ``batch [n]``."""
+        return self.pool.k[self.table[batch, :, page]]
+
+    def take_rows(self, source: ResidentPages, index: torch.Tensor, num_pages: torch.Tensor) -> None:
+        """Hold the pages of requests ``index [B']`` of ``source`` (another pool's): new slots in this pool, the
+        pages copied; ``num_pages [B']`` (CPU): pages of each (its spare ones are left behind)."""
+        device = self.table.device
+        self.table = torch.full((index.numel(), self.num_heads, source.table.shape[2]), -1, dtype=torch.long,
+                                device=device)
+        total = int(num_pages.sum())
+        if not total:
+            return
+        batch = torch.arange(num_pages.numel()).repeat_interleave(num_pages)
+        page = torch.arange(total) - (torch.cumsum(num_pages, 0) - num_pages).repeat_interleave(num_pages)
+        batch, page = batch.to(device), page.to(device)
+        count = total * self.num_heads
+        start = self.pool.allocate(count)
+        self.table[batch, :, page] = torch.arange(start, start + count, device=device).view(-1, self.num_heads)
+        source_slots = source.table[index.to(device)[batch], :, page].view(-1)
+        for target, pages in ((self.pool.k, source.pool.k), (self.pool.v, source.pool.v)):
+            # straight into the new slots (consecutive): no temporary copy of the pages
+            torch.index_select(pages, 0, source_slots, out=target[start:start + count])
 
     def append(self, new_keys: torch.Tensor, new_values: torch.Tensor, plan: AppendPlan) -> None:
         """Write the chunk's real tokens (``[N, h, D]`` in plan order), opening the pages they start."""

@@ -179,6 +179,25 @@ class SequenceState:
         self.decode_steps += decode
         return self.last_plan
 
+    @torch.inference_mode(False)  # kept and written in place across calls, whatever grad mode they run in
+    def crop(self, keep: int) -> None:
+        """Forget the logical positions from ``keep`` on (``0 < keep <= logical_length``; no forward under way):
+        every request keeps its real tokens among the first ``keep``."""
+        self.valid[:, keep:self.logical_length] = False
+        self.logical_length = self.last_chunk_start = keep
+        self._set_counts(self.valid[:, :keep].sum(dim=1))
+
+    @torch.inference_mode(False)
+    def select(self, index: torch.Tensor) -> None:
+        """Keep requests ``index [B']`` (CPU ``long``, any order, repeats allowed; no forward under way)."""
+        self.valid = self.valid[index]
+        self._set_counts(self.num_tokens_host[index])
+
+    def _set_counts(self, num_tokens_host: torch.Tensor) -> None:
+        self.num_tokens_host = num_tokens_host
+        self.num_tokens = host_to_device(num_tokens_host, self.num_tokens.device)
+        self.last_plan = self.next_decode_plan = None  # planned from the counts before
+
     def _out_of_step(self, chunk_index: int) -> str:
         return (f"FlexiCache layers went out of step (layer at chunk {chunk_index}, cache at {self.num_chunks}); "
                 "every decoder layer must run once per forward pass.")

@@ -48,6 +48,7 @@ from typing import Any, Protocol
 
 import torch
 
+from flexicache import handoff
 from flexicache.decode_graph import capture, capture_stream
 from flexicache.sequence import AppendPlan, SequenceState
 
@@ -111,6 +112,7 @@ class StepGraphStore:
         self.captures = 0
         self.replays = 0
         self.disabled = refusal  # why this cache runs its steps eagerly (hybrid model, forward that cannot be captured)
+        self.failed: str | None = None  # an exception inside a graphed step left the cache's state incomplete
         self.next_reranks: tuple[AppendPlan, tuple[bool, ...]] | None = None  # prepare_next_step's, for its plan
 
     def clear(self) -> None:
@@ -120,10 +122,17 @@ class StepGraphStore:
         self.chunk = None
         self.pool = None
 
+    def reset_after_failure(self) -> None:
+        """Drop what a step that raised may have left: its graphs and a chunk staged for an attention that never
+        ran (``failed`` stays set: the cache refuses further steps until it is reset)."""
+        self.clear()
+        handoff.clear_staged()
+
     def reset(self) -> None:
-        """:meth:`clear`, and forget the next step prepared ahead (the cache was reset)."""
+        """:meth:`clear`, and forget the next step prepared ahead and any failed step (the cache was reset)."""
         self.clear()
         self.next_reranks = None
+        self.failed = None
 
     def ready(self) -> bool:
         """Whether the next decode step's device work can run from a whole-step CUDA graph: every layer, all on one
@@ -289,27 +298,35 @@ def run_graphed_step(cache: SupportsStepGraphs, key: tuple, tensors: dict[str, t
         ``forward``'s output, its tensors copied (the next replay overwrites the recorded ones).
     """
     store = cache.step_graphs
-    if store.storage is not None and store.chunk == store.sequence.num_chunks:  # nothing appended since
-        prepared = store.prepare_replay(store.storage)
-        recorded = store.steps.get((key, prepared[0])) if prepared is not None else None
-        if recorded is not None:
-            output = _replay(store, recorded, tensors, cache)
-            store.finish_replay(prepared[1])
-            store.chunk = store.sequence.num_chunks
+    if store.failed is not None:
+        raise RuntimeError(f"A previous decode step of this FlexiCache run as a CUDA graph failed ({store.failed}): "
+                           "its state is incomplete. Call cache.reset() and generate again from the prompt.")
+    try:
+        if store.storage is not None and store.chunk == store.sequence.num_chunks:  # nothing appended since
+            prepared = store.prepare_replay(store.storage)
+            recorded = store.steps.get((key, prepared[0])) if prepared is not None else None
+            if recorded is not None:
+                output = _replay(store, recorded, tensors, cache)
+                store.finish_replay(prepared[1])
+                store.chunk = store.sequence.num_chunks
+                store.prepare_next_step()
+                return output
+        rerank, storage = zip(*store.begin())
+        if storage != store.storage:  # something reallocated: the recorded graphs read freed memory
+            store.clear()
+            store.storage = storage
+        key = (key, rerank)
+        recorded = store.steps.get(key)
+        output = (_record(store, key, cache, tensors, forward) if recorded is None
+                  else _replay(store, recorded, tensors, cache))
+        store.chunk = store.sequence.num_chunks
+        if store.disabled is None:
             store.prepare_next_step()
-            return output
-    rerank, storage = zip(*store.begin())
-    if storage != store.storage:  # something reallocated: the recorded graphs read freed memory
-        store.clear()
-        store.storage = storage
-    key = (key, rerank)
-    recorded = store.steps.get(key)
-    output = (_record(store, key, cache, tensors, forward) if recorded is None
-              else _replay(store, recorded, tensors, cache))
-    store.chunk = store.sequence.num_chunks
-    if store.disabled is None:
-        store.prepare_next_step()
-    return output
+        return output
+    except BaseException as error:  # the step's host bookkeeping may have run without its device work
+        store.failed = f"{type(error).__name__}: {error}"
+        store.reset_after_failure()
+        raise
 
 
 def _replay(store: StepGraphStore, recorded: RecordedStep, tensors: dict[str, torch.Tensor], cache: Any) -> Any:
@@ -341,6 +358,7 @@ def _record(store: StepGraphStore, key: tuple, cache: Any, tensors: dict[str, to
         try:
             graph = capture(lambda: outputs.append(forward(inputs)), device, pool=store.pool)
         except RuntimeError as error:  # e.g. the forward reads a device value on the host (not capturable)
+            handoff.clear_staged()  # a layer's update recorded before the capture failed: nothing will take it
             store.clear()
             store.disabled = f"{type(error).__name__}: {error}"
             warnings.warn(f"FlexiCache: this model's decode step cannot be captured as a CUDA graph ({error}); "

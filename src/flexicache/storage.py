@@ -92,9 +92,10 @@ class LayerStorage:
             self._reserved_plan = plan
 
     def append_chunk(self, keys: torch.Tensor, values: torch.Tensor, plan: AppendPlan) -> None:
-        """Append a chunk of several tokens ``[B, H, T, D]`` to both head classes following ``plan`` (the first
-        chunk also sets the page boxes' axes, with ``principal_bounds``)."""
-        if self.settings.principal_bounds and self.basis is None:
+        """Append a chunk of several tokens ``[B, H, T, D]`` to both head classes following ``plan`` (with
+        ``principal_bounds`` a first chunk on the empty storage also sets the page boxes' axes; a cache started token
+        by token keeps the model's axes)."""
+        if self.settings.principal_bounds and self.basis is None and not bool(plan.before_host.any()):
             valid = torch.zeros(keys.shape[0], keys.shape[2], dtype=torch.bool, device=keys.device)
             valid[plan.batch, plan.chunk_pos] = True
             with torch.inference_mode(False):  # kept across calls

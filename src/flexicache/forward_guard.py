@@ -1,0 +1,120 @@
+"""What a FlexiCache checks before each forward (at its first paged layer's ``update``), before anything changes.
+
+- **State after an error.** An exception inside a forward (in a layer's decode, or in a graphed step's recording)
+  leaves some layers one chunk ahead of the others, or host bookkeeping ahead of the device work. Decoding on from
+  there would attend over the wrong tokens silently: the next forward raises instead, saying to ``reset()``.
+- **One thread per shared backend** (:mod:`flexicache.thread_claims`).
+- **Host memory before it is taken.** When this forward's tokens will grow the host tiers (or make them), the bytes
+  all layers' tiers need together are compared with what the process can still take
+  (:mod:`flexicache.host_limits`, and the pinned pool's limit on CUDA): a cache that cannot fit fails at its first
+  layer with the number of GiB it needs, not after locking most of them, and not in the OOM killer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from flexicache import host_tier, thread_claims
+from flexicache.backends import DecodeBackend, PreparedBackend
+from flexicache.config import FlexiCacheConfig
+from flexicache.host_limits import check_room, gib, system_limits
+from flexicache.host_pool import BLOCK_BYTES, REMEDY, host_pool
+from flexicache.sequence import SequenceState
+from flexicache.storage import LayerStorage
+
+INTERRUPTED = ("A previous forward through this FlexiCache stopped part-way ({where}), so its layers no longer hold "
+               "the same tokens; decoding on would attend over the wrong ones. Call cache.reset() and generate again "
+               "from the prompt (or build a new FlexiCache).")
+
+
+class PagedLayer(Protocol):
+    layer_idx: int
+    num_chunks: int
+    stable_heads: list[int]
+    settings: FlexiCacheConfig
+    storage: LayerStorage | None
+
+
+def begin_forward(cache: thread_claims.Claimant, layers: Sequence[PagedLayer], sequence: SequenceState,
+                  failure: str | None, backends: dict[torch.device, DecodeBackend], key_states: torch.Tensor) -> None:
+    """All the checks of the module docstring, for a forward whose first layer receives ``key_states [B, H, T, D]``.
+
+    Args:
+        failure: what went wrong in the cache's last graphed step, if anything did (``StepGraphStore.failed``).
+
+    Raises:
+        RuntimeError: the cache's state is incomplete after an error, or another thread holds its backend.
+        HostMemoryError: the host tiers would not fit.
+    """
+    check_in_step(layers, sequence, failure)
+    shared = {device: backend for device, backend in backends.items() if isinstance(backend, PreparedBackend)}
+    if shared:
+        thread_claims.claim(cache, shared.values(), ", ".join(str(device) for device in shared))
+    check_host_demand(layers, sequence, key_states)
+
+
+def refuse_use_cache_off(attention_kwargs: object) -> None:
+    """Raise for a forward with ``use_cache=False`` (transformers >= 5.24 passes the attention's keyword arguments,
+    ``attention_kwargs``, to ``update``; older releases do not, and are not checked)."""
+    if isinstance(attention_kwargs, dict) and attention_kwargs.get("use_cache") is False:
+        raise ValueError(
+            "use_cache=False with a FlexiCache: transformers then feeds the whole sequence into the cache again at "
+            "every step (with any cache, DynamicCache too), which no cache can serve. Leave use_cache on, or pass "
+            "no cache."
+        )
+
+
+def check_in_step(layers: Sequence[PagedLayer], sequence: SequenceState, failure: str | None) -> None:
+    """Raise if a forward stopped part-way: layers at different chunk counts, or a failed graphed step."""
+    if failure is not None:
+        raise RuntimeError(INTERRUPTED.format(where=f"a decode step run as a CUDA graph failed: {failure}"))
+    behind = [layer.layer_idx for layer in layers if layer.num_chunks != sequence.num_chunks]
+    if behind:
+        raise RuntimeError(INTERRUPTED.format(where=f"layers {behind} did not store the last chunk"))
+
+
+def check_host_demand(layers: Sequence[PagedLayer], sequence: SequenceState, key_states: torch.Tensor) -> None:
+    """Raise :class:`~flexicache.host_limits.HostMemoryError` if the host tiers of ``layers`` cannot grow (or be made)
+    to hold this chunk's tokens (``key_states [B, H, T, D]``: real tokens at most ``T`` more per request)."""
+    stable = [layer for layer in layers if layer.stable_heads]
+    if not stable:
+        return
+    settings = stable[0].settings
+    longest = 0 if sequence.num_tokens_host is None else int(sequence.num_tokens_host.max())
+    pages = -(-(longest + key_states.shape[2]) // settings.page_size)
+    if all(tier_pages(layer.storage, settings, pages) is None for layer in stable):
+        return  # every tier has room (a decode step, most of the time)
+    batch_size, _, _, head_dim = key_states.shape
+    page_bytes = 2 * settings.page_size * head_dim * key_states.element_size()  # keys + values
+    device = key_states.device if layers[0].storage is None else layers[0].storage.device
+    pinned = host_tier.pins_host_tier(device)
+    needed, largest_replaced, heads = 0, 0, 0
+    for layer in stable:
+        head_pages = tier_pages(layer.storage, settings, pages)
+        if head_pages is None:
+            continue
+        current = 0 if layer.storage is None else layer.storage.offloaded.host.k.shape[2]
+        new_bytes = head_pages * len(layer.stable_heads) * batch_size * page_bytes
+        old_bytes = current * len(layer.stable_heads) * batch_size * page_bytes
+        if pinned:  # the pool hands out whole blocks
+            new_bytes, old_bytes = (-(-nbytes // BLOCK_BYTES) * BLOCK_BYTES for nbytes in (new_bytes, old_bytes))
+        needed += new_bytes - old_bytes
+        largest_replaced = max(largest_replaced, old_bytes)  # a growing tier's old and new buffers coexist briefly
+        heads += len(layer.stable_heads)
+    what = (f"the {'page-locked ' if pinned else ''}host tiers of this cache's stable heads ({heads} KV heads x batch "
+            f"{batch_size} x {pages * settings.page_size} tokens at {page_bytes // settings.page_size} bytes per token "
+            f"and head; {gib(needed)} for the tiers, the rest while a tier grows)")
+    limits = host_pool().limits() if pinned else system_limits()
+    check_room(needed + largest_replaced, limits, what, REMEDY)
+
+
+def tier_pages(storage: LayerStorage | None, settings: FlexiCacheConfig, pages: int) -> int | None:
+    """Pages per row the host tier of ``storage`` (``None``: not made yet) will have once it holds ``pages`` pages
+    (the rule of :meth:`~flexicache.host_tier.HostTier.reserve`), or ``None`` if it has room already."""
+    current = settings.reserved_pages if storage is None else storage.offloaded.host.k.shape[2]
+    if pages <= current:
+        return None if storage is not None else current
+    return pages + max(64, pages // 4)

@@ -1,0 +1,80 @@
+"""The host tier's buffers: the full pages of a layer's stable heads in host memory (page-locked on CUDA)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flexicache.host_memory import anonymous_mappings, pinned_zeros
+from flexicache.host_pool import host_pool
+
+
+def pins_host_tier(device: torch.device) -> bool:
+    """Whether the host tier of a cache on ``device`` is page-locked (CUDA: asynchronous copies, zero-copy kernels)."""
+    return device.type == "cuda"
+
+
+class HostTier:
+    """Full pages of ``h`` stable heads in host memory: ``k``/``v`` of shape ``[B, h, P, ps, D]`` (``capacity`` pages
+    per row up front).
+
+    ``pin_memory``: page-locked, borrowed from the process's pinned host pool (:mod:`flexicache.host_pool`, for CUDA
+    copies and zero-copy kernels) and given back as soon as nothing views it; else ordinary memory. Pages beyond those
+    written are unspecified (a pooled block keeps what its previous owner wrote): nothing reads them.
+    """
+
+    def __init__(self, batch_size: int, num_heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
+                 pin_memory: bool, capacity: int = 0) -> None:
+        self.pin_memory = pin_memory
+        self.k, self.v = self._buffers((batch_size, num_heads, capacity, page_size, head_dim), dtype)
+
+    @torch.inference_mode(False)  # made outside inference mode, like every buffer a cache keeps (flexicache.storage)
+    def _buffers(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``shape``: both in one block of the pinned host pool, or zeros in ordinary memory."""
+        if not self.pin_memory:
+            return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+        if not anonymous_mappings():  # no pool without anonymous mappings: torch's pinned allocations
+            return pinned_zeros(shape, dtype), pinned_zeros(shape, dtype)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        both = host_pool().borrow(2 * nbytes).view(dtype).view(2, *shape)
+        return both[0], both[1]
+
+    def reserve(self, num_pages: int) -> None:
+        """Room for ``num_pages`` pages per row, plus a quarter (at least 64 pages) for the tokens to come: a prefill
+        reserves its decode headroom at once, so the first full page after it does not reallocate the whole tier."""
+        if num_pages <= self.k.shape[2]:
+            return
+        shape = list(self.k.shape)
+        shape[2] = num_pages + max(64, num_pages // 4)
+        # Both or neither (a refusal leaves the tier as it was), so the old and new keys and values coexist briefly.
+        grown_k, grown_v = self._buffers(tuple(shape), self.k.dtype)
+        grown_k[:, :, : self.k.shape[2]].copy_(self.k)
+        grown_v[:, :, : self.v.shape[2]].copy_(self.v)
+        self.k, self.v = grown_k, grown_v
+
+    @property
+    def nbytes_reserved(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tier as ``[B * h * P, ps, D]`` pages (keys, values): page ``p`` of row ``r`` is ``r * P + p``."""
+        shape = (-1, *self.k.shape[3:])
+        return self.k.view(shape), self.v.view(shape)
+
+    def to_device(self, num_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``num_pages`` pages of every row as device ``[B, h, num_pages, ps, D]`` keys/values: one
+        asynchronous copy per row and tensor from the page-locked tier (a row's pages are contiguous in it)."""
+        batch_size, num_heads, capacity, page_size, head_dim = self.k.shape
+        copies = []
+        for pages in (self.k, self.v):
+            target = torch.empty(batch_size * num_heads, num_pages, page_size, head_dim, dtype=pages.dtype,
+                                 device=device)
+            by_row = pages.view(batch_size * num_heads, capacity, page_size, head_dim)
+            if num_pages == capacity:
+                target.copy_(by_row, non_blocking=True)
+            else:
+                for row in range(batch_size * num_heads):
+                    target[row].copy_(by_row[row, :num_pages], non_blocking=True)
+            copies.append(target.view(batch_size, num_heads, num_pages, page_size, head_dim))
+        return copies[0], copies[1]
