@@ -10,13 +10,18 @@ from flexicache import FlexiCache
 
 def transfer_outcome(cache: FlexiCache, logits: tuple[torch.Tensor, ...]) -> tuple:
     """What a generation left behind in the host tier's paths: logits, the stable heads' selections, device pools and
-    host tiers (cloned), and the cache's counters. Compare two with :func:`assert_same_transfer_outcome`. Checks
+    the host tiers' full pages (cloned; a tier borrowed from the host pool holds whatever its last user left past
+    them), and the cache's counters. Compare two with :func:`assert_same_transfer_outcome`. Checks
     :func:`assert_selected_slots_hold_their_pages` first."""
     assert_selected_slots_hold_their_pages(cache)
     stored = [layer.storage for layer in cache.layers if layer.storage.offloaded is not None]
+    page_size = cache.settings.page_size
+    full_pages = [tokens // page_size for tokens in cache.sequence.num_tokens_host.tolist()]
     state = [tensor.clone() for storage in stored for tensor in
-             (storage.offloaded.selected, storage.offloaded.selected_scores, storage.pool.k, storage.pool.v,
-              storage.offloaded.host.k, storage.offloaded.host.v)]
+             (storage.offloaded.selected, storage.offloaded.selected_scores, storage.pool.k, storage.pool.v)]
+    state += [tier[request, :, :pages].clone() for storage in stored
+              for tier in (storage.offloaded.host.k, storage.offloaded.host.v)
+              for request, pages in enumerate(full_pages)]
     return torch.stack(logits), state, cache.stats()
 
 
