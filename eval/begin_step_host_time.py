@@ -24,10 +24,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_triton_interpreted import FlashInferStandIn  # noqa: E402
+from test_triton_interpreted import FlashInferStandIn
 
-from flexicache import FlexiCache, HeadProfile, backends, decode_graph, decode_paths, offload  # noqa: E402
-from flexicache.backends import triton_rerank, triton_select, triton_transfer  # noqa: E402
+from flexicache import FlexiCache, HeadProfile, backends, decode_graph, decode_paths, offload
+from flexicache.backends import triton_rerank, triton_select, triton_transfer
 
 
 def graph_path_on_cpu() -> None:

@@ -143,16 +143,19 @@ def main() -> None:
         pool = host_pool.host_pool()
         pool.release()  # what the requests left registered goes, so that the limit below binds
         host_pool.set_limit(args.small_limit_gib)
+        message = None
         try:
             request(model, ids, settings, args.new_tokens)
-            rows["small limit"] = {"error": None}
-            print(f"at a {args.small_limit_gib} GiB limit the request ran (its host tiers fit)")
         except HostMemoryError as error:
-            rows["small limit"] = {"error": str(error), **snapshot(device)}
-            print(f"at a {args.small_limit_gib} GiB pool limit the request is refused:\n  {error}")
-            show("after the refusal", rows["small limit"])
+            message = str(error)  # the snapshot comes after the except block: its traceback holds the prefill
         finally:
             host_pool.set_limit(None)
+        rows["small limit"] = {"error": message, **snapshot(device)}
+        if message is None:
+            print(f"at a {args.small_limit_gib} GiB limit the request ran (its host tiers fit)")
+        else:
+            print(f"at a {args.small_limit_gib} GiB pool limit the request is refused:\n  {message}")
+        show("after the refusal" if message else "after it", rows["small limit"])
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
 

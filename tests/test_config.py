@@ -84,8 +84,7 @@ def test_kv_flashinfer_cannot_decode_gets_the_reference_backend(dtype, head_dim,
 def test_a_layer_flashinfer_cannot_decode_gets_its_own_fallback():
     """Layers share their device's backend; a later layer whose KV the shared FlashInfer backend cannot decode gets
     the torch kernel (warned) or, with backend="flashinfer", an error, and the shared entry stays."""
-    from flexicache.backends import ReferenceBackend
-    from flexicache.backends import layer_backend
+    from flexicache.backends import ReferenceBackend, layer_backend
 
     cuda = torch.device("cuda", 0)
     shared = object()  # stands for the FlashInfer backend that the device's first (bf16, head dim 128) layer got

@@ -24,8 +24,8 @@ def run_script(name: str, *args: str) -> str:
     return result.stdout
 
 
-@pytest.mark.parametrize("name", ["gpu_step_profile.py", "gpu_prefill_profile.py", "gpu_kernel_sweep.py",
-                                  "gpu_repeatability.py"])
+@pytest.mark.parametrize("name", ["gpu_step_profile.py", "gpu_prefill_profile.py", "gpu_prefill_breakdown.py",
+                                  "gpu_kernel_sweep.py", "gpu_repeatability.py"])
 def test_gpu_profiling_scripts_parse_their_arguments(name: str) -> None:
     assert "usage:" in run_script(name, "--help")
 
@@ -36,6 +36,17 @@ def test_repeatability_check_runs_on_the_cpu() -> None:
     out = run_script("gpu_repeatability.py", "--device", "cpu", "--repeats", "1", "--new-tokens", "3",
                      "--prompt-tokens", "40")
     assert "dynamic: 1 of 1 repeats bit-identical" in out and "flexicache-eager: 1 of 1 repeats bit-identical" in out
+
+
+def test_prefill_breakdown_runs_on_the_cpu() -> None:
+    """The smoke test of eval/gpu_prefill_breakdown.py: every part it wraps exists and is reached by a prefill."""
+    out = run_script("gpu_prefill_breakdown.py", "--device", "cpu", "--shape", "tiny-llama", "--layers", "2",
+                     "--context", "256", "--batch", "2", "--budget", "64", "--repeats", "1")
+    calls = {line[:42].strip(): int(line.split()[-2]) for line in out.splitlines() if line.endswith(" calls")}
+    layers = 2
+    expected = {"principal axes": layers, "page metadata (min/max)": layers, "stable heads' host tier + tails": layers,
+                "unstable heads' pages": layers, "commit of the chunk": layers, "dense attention (sdpa)": layers}
+    assert all(calls[name] == count for name, count in expected.items()), calls
 
 
 def load_script(name: str) -> ModuleType:

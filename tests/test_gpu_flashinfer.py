@@ -16,16 +16,16 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-from transfer_checks import (  # noqa: E402
+from transfer_checks import (
     assert_same_transfer_outcome,
     assert_selected_slots_hold_their_pages,
     transfer_outcome,
 )
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from flexicache import FlexiCache, HeadProfile, disable_step_graphs  # noqa: E402
-from flexicache.backends import ReferenceBackend, build_decode_layout  # noqa: E402
-from flexicache.decode_paths import FusedDecode, TorchDecode  # noqa: E402
+from flexicache import FlexiCache, HeadProfile, disable_step_graphs
+from flexicache.backends import ReferenceBackend, build_decode_layout
+from flexicache.decode_paths import FusedDecode, TorchDecode
 
 
 def relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:

@@ -18,12 +18,12 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig  # noqa: E402
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
-from flexicache import FlexiCache, FlexiLayer, HeadProfile  # noqa: E402
-from flexicache.decode_paths import GraphedDecode  # noqa: E402
-from flexicache.parallel import BYTE_KEYS, kv_bytes_by_device  # noqa: E402
-from flexicache.sliding import SlidingWindowLayer  # noqa: E402
+from flexicache import FlexiCache, FlexiLayer, HeadProfile
+from flexicache.decode_paths import GraphedDecode
+from flexicache.parallel import BYTE_KEYS, kv_bytes_by_device
+from flexicache.sliding import SlidingWindowLayer
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 WINDOW = 128

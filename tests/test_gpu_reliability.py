@@ -241,7 +241,7 @@ def test_crop_select_and_repeat_stay_within_one_layers_memory() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_assisted_generation_through_crops_on_the_cuda_path() -> None:
+def test_assisted_generation_through_crops_on_the_cuda_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers crops the cache after rejected candidates: at a covering budget every verification forward
     attends densely over the KV read back exactly, so the tokens are DynamicCache's (a last step with no candidate
     left decodes one token sparsely: compared within bf16)."""
@@ -249,8 +249,13 @@ def test_assisted_generation_through_crops_on_the_cuda_path() -> None:
     ids = torch.randint(0, 512, (1, 1500), device="cuda")
     crops: list[int] = []
     cache = FlexiCache.from_model(model, profile=PROFILE, token_budget=4096)
-    original = cache.crop
-    cache.crop = lambda tokens: (crops.append(tokens), original(tokens))[1]
+    original = FlexiCache.crop  # patched on the class: a bound method kept on the cache would make a cycle
+
+    def recording(self, tokens: int) -> None:
+        crops.append(tokens)
+        original(self, tokens)
+
+    monkeypatch.setattr(FlexiCache, "crop", recording)
     ours, theirs = (with_logits(model, used, ids, 30, assistant_model=assistant)
                     for used in (cache, DynamicCache(config=model.config)))
     assert torch.equal(ours.sequences[:, :-1], theirs.sequences[:, :-1])

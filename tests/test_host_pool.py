@@ -302,5 +302,5 @@ def test_an_unpinned_cache_is_checked_against_the_systems_memory(monkeypatch: py
     cache = FlexiCache.from_model(model, profile=mixed_profile(config), token_budget=16, page_size=4)
     with pytest.raises(HostMemoryError, match=r"for the host tiers .* bound by the system's available memory"):
         generate(model, cache)
-    monkeypatch.setattr(host_limits, "read_meminfo", lambda: {})  # nothing to read: no bound
+    monkeypatch.setattr(host_limits, "read_meminfo", dict)  # nothing to read: no bound
     assert generate(model, cache).shape == (2, 47)

@@ -23,6 +23,7 @@ from flexicache.parallel import BYTE_KEYS, kv_bytes_by_device
 from flexicache.sliding import SlidingWindowLayer
 from flexicache.step_graph import HYBRID_REFUSAL
 
+
 def prompts() -> tuple[torch.Tensor, torch.Tensor]:
     """A left-padded batch of 41 and 27 tokens: both longer than the window."""
     return left_pad([random_prompt(41, seed=1), random_prompt(27, seed=2)])

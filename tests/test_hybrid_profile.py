@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import torch
 from hybrid_models import family_model
 from test_profiling_data import char_tokenizer

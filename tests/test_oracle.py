@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from conftest import dense_cache, greedy, left_pad, masked_attention, random_prompt, tiny_config, tiny_model
 
-import flexicache  # noqa: F401  (registers the flexicache attention)
+import flexicache
 from flexicache.oracle import OracleCache, oracle_token_mask
 
 

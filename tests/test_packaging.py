@@ -72,7 +72,7 @@ def test_one_version_source():
     versions = [node.value.value for node in init.body if isinstance(node, ast.Assign)
                 and any(getattr(t, "id", None) == "__version__" for t in node.targets)]
     assert len(versions) == 1 and Version(versions[0])  # a literal setuptools reads without importing torch
-    written = [p for p in (REPO / "src").rglob("*.py") if re.search(r"^__version__\s*=", p.read_text(), re.M)]
+    written = [p for p in (REPO / "src").rglob("*.py") if re.search(r"^__version__\s*=", p.read_text(), re.MULTILINE)]
     assert written == [REPO / "src" / "flexicache" / "__init__.py"]
 
 

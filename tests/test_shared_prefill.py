@@ -7,9 +7,10 @@ import json
 
 import pytest
 import torch
+from conftest import mixed_profile, random_prompt, tiny_config, tiny_model
+from test_eval_harness import LengthMetric, make_model, prompt_ids, save_tiny_model, train_tiny_tokenizer
 from transformers import DynamicCache
 
-from conftest import mixed_profile, random_prompt, tiny_config, tiny_model
 from flexicache import FlexiCache
 from flexicache.evaluation.generation import as_input, feed_tokens, forward, generate
 from flexicache.evaluation.methods import DenseMethod, FlexiCacheMethod, Method, OracleMethod
@@ -26,7 +27,6 @@ from flexicache.evaluation.shared_prefill import (
 )
 from flexicache.evaluation.tasks import Sample, Task
 from flexicache.oracle import OracleCache
-from test_eval_harness import LengthMetric, make_model, prompt_ids, save_tiny_model, train_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
 backends = pytest.importorskip("triton.backends.compiler")
 
-from flexicache.backends import triton_rerank, triton_select, triton_transfer  # noqa: E402
+from flexicache.backends import triton_rerank, triton_select, triton_transfer
 
 BF16_POINTERS = ("query_ptr", "kmin_ptr", "kmax_ptr", "keys_ptr", "values_ptr", "pool_k_ptr", "pool_v_ptr",
                  "src_k_ptr", "src_v_ptr", "dst_k_ptr", "dst_v_ptr", "host_k_ptr", "host_v_ptr")

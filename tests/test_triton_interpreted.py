@@ -20,8 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from flexicache.backends.flashinfer import FlashInferBackend  # noqa: E402
-from flexicache.backends.triton_select import _order_key, _top_keys  # noqa: E402
+from flexicache.backends.flashinfer import FlashInferBackend
+from flexicache.backends.triton_select import _order_key, _top_keys
 
 
 def run_interpreted(check: str) -> None:

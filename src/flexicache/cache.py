@@ -27,8 +27,8 @@ from flexicache import attention, forward_guard, handoff
 from flexicache.backends import DecodeBackend, require_flashinfer_support
 from flexicache.config import FlexiCacheConfig, integer_argument, resolve_profile
 from flexicache.decode_graph import StepInputs
-from flexicache.hybrid import LayerKind, check_supported_model, layer_kinds
 from flexicache.host_pool import host_pool
+from flexicache.hybrid import LayerKind, check_supported_model, layer_kinds
 from flexicache.layer import CLOSED_MESSAGE, FlexiLayer
 from flexicache.parallel import local_view
 from flexicache.profile import HeadProfile, model_shape

@@ -37,7 +37,7 @@ class Limit:
     advice: str
 
 
-def gib(nbytes: int | float) -> str:
+def gib(nbytes: float) -> str:
     """``nbytes`` in GiB with two decimals (in MiB below 0.01 GiB)."""
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 100 or nbytes == 0 else f"{nbytes / 2**20:.2f} MiB"
 

@@ -26,24 +26,26 @@ class KeyBasis:
 
     @classmethod
     def principal_axes(cls, keys: torch.Tensor, valid: torch.Tensor | None) -> KeyBasis:
-        """The principal axes of every row's real keys.
+        """The principal axes of every row's real keys (a row without real keys keeps the model's axes).
 
         Args:
             keys: ``[B, H, T, D]`` a first chunk's keys; valid: ``[B, T]`` bool, the real tokens (``None``: all).
         """
         batch_size, num_heads, length, head_dim = keys.shape
         dtype = torch.promote_types(keys.dtype, torch.float32)
-        matrix = torch.empty(batch_size, num_heads, head_dim, head_dim, dtype=dtype, device=keys.device)
-        for request in range(batch_size):  # one covariance per request: padding differs between requests
-            real = keys[request] if valid is None else keys[request][:, valid[request].to(keys.device)]
-            real = real.to(dtype)
-            if real.shape[1] == 0:
-                matrix[request] = torch.eye(head_dim, dtype=dtype, device=keys.device)
-                continue
-            centred = real - real.mean(dim=1, keepdim=True)
-            _, axes = torch.linalg.eigh(torch.bmm(centred.transpose(1, 2), centred))  # [H, D, D], columns
-            matrix[request] = axes
-        return cls(matrix)
+        covariance = torch.empty(batch_size, num_heads, head_dim, head_dim, dtype=dtype, device=keys.device)
+        weights = (torch.ones(batch_size, length, dtype=dtype, device=keys.device) if valid is None
+                   else valid.to(device=keys.device, dtype=dtype))
+        counts = weights.sum(dim=1)
+        for request in range(batch_size):  # one covariance per request (padding differs), no host sync
+            weight = weights[request].view(1, length, 1)
+            real = keys[request].to(dtype)
+            mean = (real * weight).sum(dim=1, keepdim=True) / counts[request].clamp(min=1)
+            centred = (real - mean) * weight
+            torch.bmm(centred.transpose(1, 2), centred, out=covariance[request])
+        axes = torch.linalg.eigh(covariance).eigenvectors
+        identity = torch.eye(head_dim, dtype=dtype, device=keys.device)
+        return cls(torch.where((counts == 0).view(batch_size, 1, 1, 1), identity, axes))
 
     @property
     def nbytes(self) -> int:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flexicache.backends import triton_available
 from flexicache import host_tier
+from flexicache.backends import triton_available
 from flexicache.host_tier import HostTier
 from flexicache.paging import PagePool
 from flexicache.selection import update_selection

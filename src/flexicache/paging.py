@@ -11,7 +11,7 @@ import torch
 from flexicache.sequence import AppendPlan, per_row
 
 
-def grow_dim(tensor: torch.Tensor, dim: int, size: int, fill: float | int | bool = 0) -> torch.Tensor:
+def grow_dim(tensor: torch.Tensor, dim: int, size: int, fill: float | bool = 0) -> torch.Tensor:
     """``tensor`` padded with ``fill`` along ``dim`` to at least ``size``.
 
     A growth reserves a quarter more than ``size`` (at least 16): copies stay amortised, reserved memory stays within

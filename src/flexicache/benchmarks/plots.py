@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flexicache.benchmarks.results import GIB, case_rows, find, memory_full
 from flexicache.benchmarks.rerank import rerank_summary
+from flexicache.benchmarks.results import GIB, case_rows, find, memory_full
 
 
 def _pyplot() -> Any:

@@ -27,7 +27,6 @@ from flexicache.benchmarks.results import (
 )
 from flexicache.benchmarks.suite import MODEL_SHAPES, full_layers
 
-
 # ------------------------------------------------------------------------------------------------------ sections
 
 

@@ -97,10 +97,9 @@ def build_methods(model: Any, args: argparse.Namespace) -> list:
     ``--budget`` (and with ``--oracle`` an oracle row per budget) and one per ``--method`` spec, all on the same
     model."""
     from flexicache import HeadProfile
+    from flexicache.config import FlexiCacheConfig
     from flexicache.models import SMOLLM2
     from flexicache.profiles import shipped_profile_path
-
-    from flexicache.config import FlexiCacheConfig
 
     from .methods import DenseMethod, FlexiCacheMethod, OracleMethod, parse_method
 
