@@ -7,12 +7,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import warnings
 
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from flexicache import FlexiCache, disable_step_graphs, enable_step_graphs
+from flexicache import FlexiCache, disable_step_graphs, enable_step_graphs, forward_guard
 from flexicache.step_graph import StepGraphs, StepGraphStore
 
 
@@ -175,3 +176,63 @@ def test_capture_keeps_garbage_collection_off_while_recording(monkeypatch: pytes
         finally:
             gc.enable()
     assert seen == [False, False] and [graph.gc_enabled for graph in graphs] == [[False, False], [False, False]]
+
+
+def test_a_cache_run_through_the_wrapper_is_marked_driven_and_a_plain_one_is_not() -> None:
+    model = tiny_model()
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    plain = FlexiCache(model.config, token_budget=32)
+    model.set_attn_implementation("flexicache")
+    generate(model, plain, ids)
+    assert not plain.step_graphs.driven
+    wrapped = FlexiCache.from_model(model, token_budget=32)
+    generate(model, wrapped, ids)
+    assert wrapped.step_graphs.driven
+
+
+class _CudaLayer:
+    """A stand-in layer on ``cuda:0`` (only its device is read)."""
+
+    recording = False
+    is_initialized = True
+    device = torch.device("cuda", 0)
+
+
+class _DecodeKeys:
+    """Stand-in decode keys ``[B, H, 1, D]`` on ``cuda:0`` (shape and device only: no GPU here)."""
+
+    shape = (2, 2, 1, 16)
+    device = torch.device("cuda", 0)
+
+
+def hint_store(**changes) -> StepGraphStore:
+    model = tiny_model()
+    cache = FlexiCache(model.config, token_budget=32)
+    store = StepGraphStore([_CudaLayer(), _CudaLayer()], cache.sequence, enabled=changes.pop("enabled", True),
+                           refusal=changes.pop("refusal", None))
+    store.driven = changes.pop("driven", False)
+    return store
+
+
+@pytest.mark.parametrize("case", ["plain", "driven", "cuda_graphs off", "refused", "prefill chunk", "second step"])
+def test_a_decode_step_from_an_unwrapped_forward_on_one_gpu_is_hinted_once(monkeypatch, case: str) -> None:
+    """The plain path (``FlexiCache(config)`` on a model whose forward enable_step_graphs never wrapped) on one GPU
+    warns once per process and names what to call; nothing where whole-step graphs are on or cannot run."""
+    monkeypatch.setattr(forward_guard, "_hinted_unwrapped", False)
+    store = hint_store(driven=case == "driven", enabled=case != "cuda_graphs off",
+                       refusal="hybrid" if case == "refused" else None)
+    keys = _DecodeKeys()
+    if case == "prefill chunk":
+        keys.shape = (2, 2, 40, 16)
+    if case == "second step":
+        with pytest.warns(RuntimeWarning):
+            forward_guard.hint_unwrapped_forward(store, keys)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        forward_guard.hint_unwrapped_forward(store, keys)
+    messages = [str(warning.message) for warning in caught]
+    if case == "plain":
+        assert len(messages) == 1 and "FlexiCache.from_model(model" in messages[0]
+        assert "enable_step_graphs(model)" in messages[0] and "cuda_graphs=False" in messages[0]
+    else:
+        assert messages == []

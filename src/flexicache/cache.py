@@ -170,6 +170,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
             forward_guard.refuse_use_cache_off(kwargs.get("kwargs"))
             forward_guard.begin_forward(self, self._flexi_layers(), self.sequence, self.step_graphs.failed,
                                         self.backends, key_states)
+            forward_guard.hint_unwrapped_forward(self.step_graphs, key_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @functools.cached_property

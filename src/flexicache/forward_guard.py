@@ -8,10 +8,13 @@
   all layers' tiers need together are compared with what the process can still take
   (:mod:`flexicache.host_limits`, and the pinned pool's limit on CUDA): a cache that cannot fit fails at its first
   layer with the number of GiB it needs, not after locking most of them, and not in the OOM killer.
+- **The fast path.** A decode step on one GPU from a forward that never replays whole steps as CUDA graphs is
+  warned about once per process, with what to call instead (:func:`hint_unwrapped_forward`).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -23,6 +26,7 @@ from flexicache.config import FlexiCacheConfig
 from flexicache.host_limits import check_room, gib, system_limits
 from flexicache.host_pool import BLOCK_BYTES, REMEDY, host_pool
 from flexicache.sequence import SequenceState
+from flexicache.step_graph import StepGraphStore, single_cuda_device
 from flexicache.storage import LayerStorage
 
 INTERRUPTED = ("A previous forward through this FlexiCache stopped part-way ({where}), so its layers no longer hold "
@@ -118,3 +122,26 @@ def tier_pages(storage: LayerStorage | None, settings: FlexiCacheConfig, pages: 
     if pages <= current:
         return None if storage is not None else current
     return pages + max(64, pages // 4)
+
+
+UNWRAPPED_HINT = (
+    "FlexiCache: this cache decodes layer by layer, because the model's forward does not replay whole decode steps "
+    "as CUDA graphs: on a GPU transformers' decode loop is then bound by the host, several times slower than "
+    "whole-step graphs at long contexts. Build the cache with "
+    "FlexiCache.from_model(model, ...), or call flexicache.enable_step_graphs(model) once; cuda_graphs=False in the "
+    "cache's settings silences this."
+)
+_hinted_unwrapped = False  # the hint is given once per process
+
+
+def hint_unwrapped_forward(store: StepGraphStore, keys: torch.Tensor) -> None:
+    """Warn once per process when a decode step (``keys [B, H, 1, D]``) of a cache that could replay whole-step
+    graphs (``cuda_graphs`` on, all layers on one CUDA device, no refusal) runs from a forward that was never
+    wrapped by :func:`enable_step_graphs`."""
+    global _hinted_unwrapped
+    if (_hinted_unwrapped or store.driven or not store.enabled or store.refusal is not None or keys.shape[2] != 1
+            or keys.device.type != "cuda" or not store.layers
+            or not all(layer.is_initialized for layer in store.layers) or not single_cuda_device(store.layers)):
+        return
+    _hinted_unwrapped = True
+    warnings.warn(UNWRAPPED_HINT, RuntimeWarning, stacklevel=4)

@@ -57,6 +57,7 @@ class StepLayer(Protocol):
     """What a cache layer does for a whole-step graph (:class:`~flexicache.layer.FlexiLayer` implements it)."""
 
     recording: bool  # while True, the layer only launches the device work begin_graphed_step prepared
+    is_initialized: bool  # its storage exists (``device`` may be read)
     device: torch.device
 
     def graphed_step_ready(self, next_pages: int) -> bool: ...
@@ -114,6 +115,7 @@ class StepGraphStore:
         self.disabled = refusal  # why this cache runs its steps eagerly (hybrid model, forward that cannot be captured)
         self.failed: str | None = None  # an exception inside a graphed step left the cache's state incomplete
         self.next_reranks: tuple[AppendPlan, tuple[bool, ...]] | None = None  # prepare_next_step's, for its plan
+        self.driven = False  # a model forward wrapped by enable_step_graphs has run with this cache
 
     def clear(self) -> None:
         """Drop every graph (their storage is gone: cache reset, rebuild or growth)."""
@@ -143,7 +145,7 @@ class StepGraphStore:
             return False
         page_size = self.sequence.page_size
         next_pages = (int(self.sequence.num_tokens_host.max()) + page_size) // page_size  # after one more token
-        return all(layer.graphed_step_ready(next_pages) for layer in self.layers) and _single_cuda_device(self.layers)
+        return all(layer.graphed_step_ready(next_pages) for layer in self.layers) and single_cuda_device(self.layers)
 
     def begin(self) -> tuple[tuple[bool, tuple], ...]:
         """Host side of the next decode step (all layers); its device work must then run from a graph recorded
@@ -228,7 +230,7 @@ def _warn_refused(refusal: str, input_ids: torch.Tensor) -> None:
         warnings.warn(f"FlexiCache: no whole-step CUDA graphs: {refusal}.", RuntimeWarning, stacklevel=3)
 
 
-def _single_cuda_device(layers: Sequence[StepLayer]) -> bool:
+def single_cuda_device(layers: Sequence[StepLayer]) -> bool:
     """Whether every layer lives on one CUDA device (a graph is captured on one device)."""
     return layers[0].device.type == "cuda" and all(layer.device == layers[0].device for layer in layers)
 
@@ -246,6 +248,8 @@ class StepGraphs:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = next((value for value in kwargs.values() if isinstance(value, SupportsStepGraphs)), None)
+        if cache is not None:
+            cache.step_graphs.driven = True
         input_ids = kwargs.get("input_ids")
         if cache is not None and cache.step_graphs.refusal is not None and torch.is_tensor(input_ids):
             _warn_refused(cache.step_graphs.refusal, input_ids)
