@@ -3,12 +3,13 @@
 # defaults) | Quest's bound (spread_weight=1.0 in the model's axes), budgets at context/8 and context/16 (perplexity:
 # of the final context), greedy decoding, fp32 on the CPU, one thread per process. Every folder resumes (finished samples are skipped), so the script can be
 # stopped and re-run. Usage: bash eval/run_cpu_results.sh [RESULTS_ROOT] [MODEL...]
-# (models: smollm2 qwen2.5-coder gemma3, and levers: each page-scoring option's effect on SmolLM2; default all).
+# (models: smollm2 qwen2.5-coder gemma3; levers: each page-scoring option's effect on SmolLM2; profiles: the head
+# split's; default all).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=${1:-eval/results/cpu}
 shift || true
-models=("${@:-smollm2 levers qwen2.5-coder gemma3}")
+models=("${@:-smollm2 levers profiles qwen2.5-coder gemma3}")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 stdlib=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 
@@ -36,9 +37,11 @@ for model in ${models[@]}; do
             eval_rows smollm2 "$root/smollm2/synthetic-8k" 1024 512 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 7680 --limit 10 --max-new-tokens 24
             ;;
-        qwen2.5-coder)  # 32k context window: 8k prompts
+        qwen2.5-coder)  # 32k context window: 8k prompts; perplexity at 2k (one core's time)
+            eval_rows qwen2.5-coder "$root/qwen2.5-coder/ppl-2k" 256 128 -- --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
-                --tasks passkey niah_single_1 --lengths 8192 --limit 10 --max-new-tokens 24
+                --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/lcc-8k" 1024 512 -- --suite lcc \
                 --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24
             ;;
@@ -59,6 +62,29 @@ for model in ${models[@]}; do
                 --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 --oracle \
                 --method "${levers[@]/#/budget=256,}" --out "$root/levers/niah-4k"
             ;;
-        *) echo "unknown model $model (smollm2, levers, qwen2.5-coder, gemma3)" >&2; exit 2 ;;
+        profiles)  # SmolLM2, one budget: which heads are unstable (shipped profile, online estimate, fixed splits)
+            python - <<'PY'
+from flexicache import HeadProfile
+shipped = HeadProfile.from_pretrained("smollm2-135m-instruct")
+shape = dict(num_layers=shipped.num_layers, num_kv_heads=shipped.num_kv_heads, head_dim=shipped.head_dim,
+             model=shipped.model)
+every = [(layer, head) for layer in range(shipped.num_layers) for head in range(shipped.num_kv_heads)]
+for name, heads, source in (("all-stable", [], "every head stable (reranked every 16 steps)"),
+                            ("all-unstable", every, "every head unstable (reranked every step, all pages on device)")):
+    HeadProfile(unstable_heads=heads, calibration={"source": source}, **shape).save(
+        f"eval/results/cpu/profiles/{name}.json")
+PY
+            splits=(profile=default profile=online profile=$root/profiles/all-stable.json
+                    profile=$root/profiles/all-unstable.json)
+            echo "+ profiles: ppl"
+            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
+                --method "${splits[@]/#/budget=192,}" --out "$root/profiles/ppl-1.5k"
+            echo "+ profiles: niah_single_1 4k"
+            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite synthetic \
+                --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 \
+                --method "${splits[@]/#/budget=256,}" --out "$root/profiles/niah-4k"
+            ;;
+        *) echo "unknown model $model (smollm2, levers, profiles, qwen2.5-coder, gemma3)" >&2; exit 2 ;;
     esac
 done

@@ -17,7 +17,7 @@ import sys
 import torch
 import transformers
 
-from flexicache import FlexiCache, HeadProfile
+from flexicache import FlexiCache, FlexiLayer, HeadProfile
 from flexicache.models import SMOLLM2, load_model
 from flexicache.profile import model_shape
 from flexicache.profiles import shipped_profile_path
@@ -29,8 +29,9 @@ EXPLANATIONS: dict[str, str] = {
     "token_budget": "tokens each KV head attends to at a decode step (K = token_budget / page_size pages, the "
                     "first 'sink' page and the current tail page included)",
     "backend": "decode kernel in use: 'reference' (torch, CPU or GPU) or 'flashinfer' (CUDA)",
-    "unstable_heads": "(layer, KV head) pairs the profile marks unstable: all their pages stay on the device and "
-                      "they rerank every decode step; every other head is stable",
+    "unstable_heads": "(layer, KV head) pairs that are unstable (the profile's, or estimated from the prompt without "
+                      "one): all their pages stay on the device and they rerank every decode step; every other head "
+                      "is stable",
     "decode_steps": "single-token decode forwards served sparsely (the prefill and multi-token chunks are dense)",
     "dense_kv_bytes": "what a dense DynamicCache would hold for the same tokens: "
                       "2 (K,V) x layers x KV heads x tokens x head_dim x element size x batch (a sliding-window "
@@ -89,12 +90,12 @@ def mib(value: int) -> str:
 def checks(cache: FlexiCache, stats: dict, config, dtype: torch.dtype, batch: int, tokens: int
            ) -> list[tuple[str, int, int]]:
     """``(what, expected, reported)`` for the counts that follow from the shape, the profile and the run."""
-    settings, profile = cache.settings, cache.profile
+    settings = cache.settings
     num_layers, num_kv_heads, head_dim = model_shape(config)
     element = torch.empty(0, dtype=dtype).element_size()
     page_bytes = 2 * settings.page_size * head_dim * element  # K and V of one page of one head
     pages = math.ceil(tokens / settings.page_size)
-    unstable = len(profile.unstable_heads)
+    unstable = sum(len(layer.unstable_heads) for layer in cache.layers if isinstance(layer, FlexiLayer))
     stable = num_layers * num_kv_heads - unstable
     steps = stats["decode_steps"]
     return [
@@ -111,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=SMOLLM2, help="'smollm2' (default, offline), 'tiny', a hub id or folder")
     parser.add_argument("--gguf-file", default=None)
-    parser.add_argument("--profile", default=None, help="HeadProfile JSON (default: shipped for smollm2, else the "
-                                                        "default profile)")
+    parser.add_argument("--profile", default=None, help="HeadProfile JSON (default: shipped for smollm2, else none: "
+                                                        "the unstable heads estimated from the prompt)")
     parser.add_argument("--context-tokens", type=int, default=1024, help="prompt length")
     parser.add_argument("--new-tokens", type=int, default=40, help="decode steps (> 16 so that stable heads rerank)")
     parser.add_argument("--budget", type=int, default=256, help="token budget per KV head")
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = cache.get_seq_length()  # prompt + new tokens fed back (the last generated token is not stored)
     num_layers, num_kv_heads, head_dim = model_shape(model.config)
     print(f"model {args.model}: {num_layers} layers x {num_kv_heads} KV heads, head_dim {head_dim}, {model.dtype}, "
-          f"{device}; profile: {profile_path or 'HeadProfile.default'}")
+          f"{device}; profile: {profile_path or 'none (unstable heads estimated from the prompt)'}")
     print(f"prompt {input_ids.shape[1]} tokens + {args.new_tokens} decode steps -> {tokens} tokens cached; "
           f"budget {args.budget} = K {cache.settings.pages_per_head} pages of {cache.settings.page_size}\n")
 

@@ -83,7 +83,7 @@ def test_long_context_device_bytes_below_dense():
     config = tiny_config("llama", group=2, num_kv_heads=4, num_layers=4)
     model = tiny_model(config, seed=2, dtype=torch.float32)
     ids = random_prompt(400, seed=9).view(1, -1)
-    cache = FlexiCache.from_model(model, profile=None, token_budget=32, page_size=16)  # default: 2 layers unstable
+    cache = FlexiCache.from_model(model, profile="default", token_budget=32, page_size=16)  # 2 layers unstable
     greedy(model, ids, cache, None, 2)
     stats = cache.stats()
     # half the layers keep everything, the other half 2 pages of 26: ~54% of dense

@@ -355,9 +355,13 @@ def test_batch_of_equal_length_prompts_matches_each_prompt_alone(tiny_tokenizer)
     stop = {alone[1][3]}  # row 1 stops early; the others run on (stop tokens of their own may come earlier)
     expected = [greedy_generate(model, p, fresh(model), 10, stop) for p in prompts]
     assert generate(model, prompts, fresh(model), 10, stop) == expected and len(expected[1]) <= 4
-    sparse = [greedy_generate(model, p, FlexiCache.from_model(model, token_budget=64), 10, stop) for p in prompts]
-    assert generate(model, prompts, FlexiCache.from_model(model, token_budget=64), 10, stop, decode_tail=4) == [
-        greedy_generate(model, p, FlexiCache.from_model(model, token_budget=64), 10, stop, decode_tail=4)
+    # A fixed profile: without one, a batch shares one head split estimated from all its prompts (flexicache.head_split)
+    sparse = [greedy_generate(model, p, FlexiCache.from_model(model, profile="default", token_budget=64), 10, stop)
+              for p in prompts]
+    assert generate(model, prompts, FlexiCache.from_model(model, profile="default", token_budget=64), 10, stop,
+                    decode_tail=4) == [
+        greedy_generate(model, p, FlexiCache.from_model(model, profile="default", token_budget=64), 10, stop,
+                        decode_tail=4)
         for p in prompts]
     assert sparse != expected  # a 64-token budget over ~350 tokens: another model, so the check above is sparse
     with pytest.raises(ValueError, match="one non-zero length"):

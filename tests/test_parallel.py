@@ -152,8 +152,11 @@ def test_local_view_slices_config_and_profile_under_tp(tmp_path):
     assert model_shape(local_config) == (3, 2, 8) and local_profile == shard_profile(profile, 1, 2)
     profile.save(tmp_path / "profile.json")
     assert local_view(model, tmp_path / "profile.json")[1] == local_profile  # a path is loaded first
-    default = local_view(model, None)[1]  # the default profile of the full model, sliced
+    default = local_view(model, "default")[1]  # the default profile of the full model, sliced
     assert default.unstable_heads == shard_profile(HeadProfile.default(config), 1, 2).unstable_heads
+    for online in (None, "online"):  # estimated from the prompt, over this rank's heads
+        online_config, online_profile = local_view(model, online)
+        assert model_shape(online_config) == (3, 2, 8) and online_profile == online
     with pytest.raises(ValueError, match="made for a model with 3 layers, 2 KV heads"):
         local_view(model, shard_profile(profile, 0, 2))  # an already sliced profile is not the model's
 

@@ -538,15 +538,15 @@ def graph_path_on_cpu(make_backend, record):
     graph runs its launch, ``record`` stands in for ``step_graph._record`` and the CPU counts as one CUDA device."""
     from flexicache import decode_graph, step_graph
 
-    original = (decode_graph.DecodeGraph.run, step_graph._single_cuda_device, step_graph._record)
+    original = (decode_graph.DecodeGraph.run, step_graph.single_cuda_device, step_graph._record)
     decode_graph.DecodeGraph.run = lambda self, launch, storage_key: (launch(), self.output)[1]
-    step_graph._single_cuda_device = lambda layers: True
+    step_graph.single_cuda_device = lambda layers: True
     step_graph._record = record
     try:
         with cuda_path_on_cpu(make_backend):
             yield
     finally:
-        decode_graph.DecodeGraph.run, step_graph._single_cuda_device, step_graph._record = original
+        decode_graph.DecodeGraph.run, step_graph.single_cuda_device, step_graph._record = original
 
 
 def check_step() -> None:
@@ -711,7 +711,7 @@ def check_freeing() -> None:
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
     decode_graph.capture = step_graph.capture = capture_stand_in
     step_graph.capture_stream = lambda device: StreamStandIn()
-    step_graph._single_cuda_device = lambda layers: True
+    step_graph.single_cuda_device = lambda layers: True
     shared = FlashInferBackend(torch.device("cpu"))
     model = tiny_model()
     profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])

@@ -25,8 +25,9 @@ from transformers.cache_utils import Cache
 
 from flexicache import attention, forward_guard, handoff
 from flexicache.backends import DecodeBackend, require_flashinfer_support
-from flexicache.config import FlexiCacheConfig, integer_argument, resolve_profile
+from flexicache.config import DEFAULT_PROFILE, ONLINE_PROFILE, FlexiCacheConfig, integer_argument, resolve_profile
 from flexicache.decode_graph import StepInputs
+from flexicache.head_split import OnlineHeadSplit
 from flexicache.host_pool import host_pool
 from flexicache.hybrid import LayerKind, check_supported_model, layer_kinds
 from flexicache.layer import CLOSED_MESSAGE, FlexiLayer
@@ -57,7 +58,9 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
     Args:
         config: the model's config (shape, layer types).
         profile: a :class:`HeadProfile`, a path to one, a shipped profile's name or a hub repository id (as
-            :meth:`HeadProfile.from_pretrained` takes), or ``None`` for :meth:`HeadProfile.default`.
+            :meth:`HeadProfile.from_pretrained` takes); ``None`` (or ``"online"``): each layer's unstable heads
+            estimated from the prompt at the first prefill (:mod:`flexicache.head_split`); ``"default"``:
+            :meth:`HeadProfile.default`.
         token_budget, page_size, rerank_interval, group_reduce, spread_weight, principal_bounds, backend,
             cuda_graphs, max_cache_len: see :class:`FlexiCacheConfig`.
     """
@@ -78,7 +81,9 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
                 raise ImportError("backend='flashinfer' needs FlashInfer: pip install 'flexicache-kv[cuda]', "
                                   "or use backend='auto'.")
             require_flashinfer_support(None, model_shape(config)[2])  # the KV dtype is known at the first forward
-        self.profile = resolve_profile(profile, config)
+        online = profile is None or profile == ONLINE_PROFILE
+        self.profile = resolve_profile(None if online or profile == DEFAULT_PROFILE else profile, config)
+        self.head_split = OnlineHeadSplit() if online else None
         _, num_kv_heads, _ = model_shape(config)
         self.sequence = SequenceState(page_size)
         self.backends: dict[torch.device, DecodeBackend] = {}  # one backend (and plan) per device, for all layers
@@ -86,7 +91,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         kinds = layer_kinds(config)
         layers = [
             FlexiLayer(index, self.settings, self.profile.unstable_heads_of(index), num_kv_heads, self.sequence,
-                       self.backends, self.step_inputs)
+                       self.backends, self.step_inputs, self.head_split)
             if kind.sparse else SlidingWindowLayer(index, kind.window)
             for index, kind in enumerate(kinds)
         ]
@@ -121,6 +126,8 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         self.sequence.reset()
         self.step_inputs.clear()
         self.step_graphs.reset()
+        if self.head_split is not None:
+            self.head_split.reset()
         super().reset()
 
     def close(self) -> None:
@@ -274,7 +281,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         totals["backend"] = ",".join(backends) if backends else None  # e.g. "flashinfer,reference" on GPU + CPU
         totals["step_graph_captures"] = self.step_graphs.captures
         totals["step_graph_replays"] = self.step_graphs.replays
-        totals["unstable_heads"] = len(self.profile.unstable_heads)
+        totals["unstable_heads"] = sum(len(layer.unstable_heads) for layer in layers)
         totals["token_budget"] = self.settings.token_budget
         totals.update(host_pool().stats())  # the process's pool, shared by every cache on CUDA
         return totals

@@ -124,6 +124,10 @@ def _positive_tokens(value: object) -> int:
     return tokens
 
 
+ONLINE_PROFILE = "online"  # FlexiCache(profile=...): the unstable heads estimated from each prompt
+DEFAULT_PROFILE = "default"  # FlexiCache(profile=...): HeadProfile.default
+
+
 def resolve_profile(profile: HeadProfile | str | os.PathLike | None, config: Any) -> HeadProfile:
     """The :class:`HeadProfile` of a cache for the model ``config``, checked against its shape: ``profile`` itself,
     or one read as :meth:`HeadProfile.from_pretrained` reads it (a file, a folder, a shipped profile's name such as

@@ -22,6 +22,7 @@ from flexicache.backends import DecodeBackend, layer_backend
 from flexicache.config import FlexiCacheConfig
 from flexicache.decode_graph import StepInputs
 from flexicache.decode_paths import DecodePath, GraphedDecode
+from flexicache.head_split import OnlineHeadSplit
 from flexicache.offload import TransferCounters
 from flexicache.sequence import AppendPlan, SequenceState
 from flexicache.storage import LayerStorage
@@ -43,13 +44,13 @@ class FlexiLayer(CacheLayerMixin):
 
     def __init__(self, layer_idx: int, settings: FlexiCacheConfig, unstable_heads: list[int], num_kv_heads: int,
                  sequence: SequenceState, backends: dict[torch.device, DecodeBackend],
-                 step_inputs: dict[torch.device, StepInputs]) -> None:
+                 step_inputs: dict[torch.device, StepInputs], head_split: OnlineHeadSplit | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.settings = settings
         self.num_kv_heads = num_kv_heads
-        self.unstable_heads = list(unstable_heads)
-        self.stable_heads = [head for head in range(num_kv_heads) if head not in set(unstable_heads)]
+        self.profile_unstable = list(unstable_heads)  # the profile's (with head_split: where the prompt cannot tell)
+        self.head_split = head_split  # the cache's online split (flexicache.head_split), or None: the profile's
         self.sequence = sequence
         self.backends = backends
         self.step_inputs = step_inputs
@@ -60,12 +61,17 @@ class FlexiLayer(CacheLayerMixin):
     def _clear(self) -> None:
         """Drop the storage and decode path (their buffers are freed as soon as nothing else refers to them)."""
         self.is_initialized = False
+        self._use_heads(self.profile_unstable)  # with an online split: until the first prompt chunk decides
         self.num_chunks = 0  # chunks (prefill chunks and decode steps) stored in this layer's pages
         self.storage: LayerStorage | None = None
         self.backend: DecodeBackend | None = None
         self.path: DecodePath | None = None
         self.graphed: GraphedDecode | None = None  # the path, when it is the CUDA-graph one
         self.unstable_counters = TransferCounters()
+
+    def _use_heads(self, unstable_heads: list[int]) -> None:
+        self.unstable_heads = sorted(unstable_heads)
+        self.stable_heads = [head for head in range(self.num_kv_heads) if head not in set(unstable_heads)]
 
     # ------------------------------------------------------------------------------------ transformers protocol
 
@@ -110,8 +116,8 @@ class FlexiLayer(CacheLayerMixin):
         """
         if self.closed:
             raise RuntimeError(CLOSED_MESSAGE)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        if not self.is_initialized and (self.head_split is None or key_states.shape[2] == 1):
+            self.lazy_initialization(key_states, value_states)  # else at commit, once the prompt chose the heads
         start = self.get_seq_length()
         keys, values = _detached(key_states), _detached(value_states)
         if self.recording:  # a whole-step graph capture: begin_graphed_step stored this step already
@@ -152,6 +158,10 @@ class FlexiLayer(CacheLayerMixin):
             real_tokens: ``[B, T]`` bool or ``None`` (all real).
         """
         keys, values = chunk.keys, chunk.values
+        if not self.is_initialized:  # an online split: this first prompt chunk chooses the unstable heads
+            self._use_heads(self.head_split.unstable_heads(_detached(query), keys, real_tokens, self.settings,
+                                                           self.profile_unstable))
+            self.lazy_initialization(keys, values)
         plan = self.sequence.plan_chunk(self.num_chunks, real_tokens, keys.shape[0], keys.shape[2], self.device)
         self.append(keys, values, plan)
         offloaded = self.storage.offloaded

@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oracle", action="store_true",
                         help="also an oracle row per --budget: the pages holding the most true attention mass at "
                              "every step (reads every key; the ceiling of page-granular top-K at that budget)")
-    parser.add_argument("--profile", help="HeadProfile JSON (default: the shipped one for smollm2, else "
-                                          "HeadProfile.default)")
+    parser.add_argument("--profile", help="HeadProfile JSON, 'online' (each prompt's own estimate) or 'default' "
+                                          "(default: the shipped one for smollm2, else HeadProfile.default)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--rerank-interval", type=int, default=16)
     parser.add_argument("--data", nargs="*", default=None,
@@ -97,7 +97,7 @@ def build_methods(model: Any, args: argparse.Namespace) -> list:
     ``--budget`` (and with ``--oracle`` an oracle row per budget) and one per ``--method`` spec, all on the same
     model."""
     from flexicache import HeadProfile
-    from flexicache.config import FlexiCacheConfig
+    from flexicache.config import DEFAULT_PROFILE, ONLINE_PROFILE, FlexiCacheConfig
     from flexicache.models import SMOLLM2
     from flexicache.profiles import shipped_profile_path
 
@@ -106,14 +106,19 @@ def build_methods(model: Any, args: argparse.Namespace) -> list:
     default_profile = args.profile or (SHIPPED + SMOLLM2_PROFILE if args.model == SMOLLM2 else None)
     profiles: dict[str | None, Any] = {}
 
-    def load_profile(name: str | None) -> Any:  # a path, "shipped:<name>" or None (HeadProfile.default)
+    def load_profile(name: str | None) -> Any:
+        """A path, "shipped:<name>", "online" (estimated from each prompt) or None / "default" (HeadProfile.default:
+        what rows without a profile have always meant here)."""
         if name not in profiles:
             path = name
             if name and name.startswith(SHIPPED):
                 path = shipped_profile_path(name[len(SHIPPED):])
                 if path is None:
                     raise SystemExit(f"no shipped profile {name!r}; give a profile JSON path instead")
-            profiles[name] = HeadProfile.load(path) if path else None
+            if name in (None, DEFAULT_PROFILE, ONLINE_PROFILE):
+                profiles[name] = name or DEFAULT_PROFILE
+            else:
+                profiles[name] = HeadProfile.load(path)
         return profiles[name]
 
     # The settings a row leaves to FlexiCache's defaults are recorded too: a results folder is tied to them.

@@ -32,6 +32,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 
 from flexicache import handoff
 from flexicache.attention import ATTENTION_NAME, on_device
+from flexicache.head_split import WINDOW
 from flexicache.layer import FlexiLayer
 from flexicache.oracle import OracleLayer
 from flexicache.profiling.probe import QueryRecorder, probing
@@ -55,12 +56,13 @@ SDPA_PREFILL = (ATTENTION_NAME, "sdpa")
 STEP_COUNTING_SETTINGS = ("begin_suppress_tokens", "exponential_decay_length_penalty", "max_time", "stop_strings")
 
 
-class LastQueryRecorder(QueryRecorder):
-    """A :class:`QueryRecorder` keeping a copy of each layer's last query position, ``[B, Hq, 1, D]`` (not a view,
-    which would keep the whole chunk's queries alive)."""
+class TailQueryRecorder(QueryRecorder):
+    """A :class:`QueryRecorder` keeping a copy of each layer's last query positions, ``[B, Hq, W, D]`` (not a view,
+    which would keep the whole chunk's queries alive): the last one seeds the stable heads' selection, all ``W``
+    (:data:`flexicache.head_split.WINDOW`) the online head split of a cache without a profile."""
 
     def __init__(self) -> None:
-        super().__init__(prefill_tail=1)
+        super().__init__(prefill_tail=WINDOW)
 
     def record(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> None:
         super().record(layer_idx, query, scaling)
@@ -74,7 +76,7 @@ class DensePrefill:
     Attributes:
         snapshot: the ``DynamicCache`` it filled, keys/values ``[B, H, length, D]`` per layer (:func:`fill` only
             reads it).
-        queries: by layer, the query ``[B, Hq, 1, D]`` of the last position.
+        queries: by layer, the queries ``[B, Hq, W, D]`` of the last ``W`` positions.
         length: prompt tokens in the snapshot.
         seconds: wall time of the forward (and, for a generation without decode tail, of choosing the first token).
         logits: ``[B, vocab]`` float32 logits after the last position (:func:`prefill_forward`), else None.
@@ -113,7 +115,7 @@ def can_fill(cache: Any) -> bool:
 def fill(cache: Any, prefill: DensePrefill) -> None:
     """Fill an empty ``cache`` (see :func:`can_fill`) with the snapshot, as the flexicache attention fills it during
     a prefill forward: layer by layer, ``cache.update`` with the keys/values ``[B, H, T, D]``, then the chunk that
-    update staged committed with the layer's last query ``[B, Hq, 1, D]`` (no padding in a batch here). A
+    update staged committed with the layer's last queries ``[B, Hq, W, D]`` (no padding in a batch here). A
     ``DynamicLayer`` stages nothing: its update copies the snapshot's tensors, which stay as they are."""
     for index, layer in enumerate(prefill.snapshot.layers):
         with on_device(layer.keys.device):  # kernels launch on the current CUDA device: make it this layer's
@@ -130,7 +132,7 @@ def _recorded(model: Any, run: Callable[[DynamicCache], Any]
     snapshot = snapshot_cache(model)
     if snapshot is None:
         return None
-    recorder = LastQueryRecorder()
+    recorder = TailQueryRecorder()
     start = time.perf_counter()
     with probing(model, recorder):
         result = run(snapshot)

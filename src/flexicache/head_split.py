@@ -1,0 +1,78 @@
+"""The split of KV heads into stable and unstable ones estimated from the prompt itself (``profile="online"``, the
+behaviour without a profile).
+
+A cache without a measured :class:`~flexicache.profile.HeadProfile` decides each sparse layer's unstable heads at its
+first prompt chunk, in the flexicache attention, before the chunk is stored: the last :data:`WINDOW` prompt
+positions are treated as decode steps, and the stability of each head's top-K page sets between neighbouring
+positions (:func:`flexicache.profiling.online.prompt_stability`, the offline profiler's measure) ranks the heads.
+The layers decide one after another within the prefill forward, so the fraction is kept over the heads seen so far:
+a layer's head is unstable when its score is within the lowest :data:`UNSTABLE_FRACTION` of all scores of this and the
+earlier layers (ties at the threshold: as many as keep the count of unstable heads at that fraction). A layer whose prompt is too short to tell (no more pages than the budget holds) keeps the default
+profile's heads (:meth:`HeadProfile.default`), as does a cache whose first chunk is a single token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flexicache.config import FlexiCacheConfig
+from flexicache.profiling.online import prompt_stability
+
+WINDOW = 64  # prompt-tail query positions the estimate reads
+UNSTABLE_FRACTION = 0.25  # of the heads seen so far, as the offline profiler's default
+MAX_DISTANCE = 16  # step distances the stability is averaged over (the rerank interval's default)
+
+
+class OnlineHeadSplit:
+    """The running decision of one cache's first prefill forward, shared by its layers (:meth:`reset` for a new
+    prompt)."""
+
+    def __init__(self) -> None:
+        self.scores: list[float] = []  # the finite scores of every head decided so far
+        self.num_unstable = 0  # of those, the heads made unstable
+
+    def reset(self) -> None:
+        self.scores.clear()
+        self.num_unstable = 0
+
+    def unstable_heads(self, query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.Tensor | None,
+                       settings: FlexiCacheConfig, fallback: list[int]) -> list[int]:
+        """This layer's unstable heads from its first prompt chunk.
+
+        Args:
+            query: ``[B, Hq, T, D]`` the chunk's queries; keys: ``[B, H, T, D]`` (RoPE applied).
+            real_tokens: ``[B, T]`` bool (``None``: all real); each request is estimated over its real tokens and
+                the scores averaged over the batch (one split serves every request).
+            fallback: the heads to keep when the prompt is too short to tell.
+        """
+        scores = torch.stack([self._request_scores(query[request], keys[request], real_tokens, request, settings)
+                              for request in range(keys.shape[0])]).nanmean(dim=0)  # [H]
+        finite = [(head, float(score)) for head, score in enumerate(scores.tolist()) if math.isfinite(score)]
+        if not finite:
+            return list(fallback)
+        self.scores.extend(score for _, score in finite)
+        target = max(1, math.ceil(UNSTABLE_FRACTION * len(self.scores)))  # unstable heads so far, this layer's too
+        threshold = sorted(self.scores)[target - 1]
+        ranked = sorted(finite, key=lambda item: item[1])
+        below = [head for head, score in ranked if score < threshold]
+        ties = [head for head, score in ranked if score == threshold]  # as many as the fraction still allows
+        unstable = below + ties[: max(0, target - self.num_unstable - len(below))]
+        self.num_unstable += len(unstable)
+        return sorted(unstable)
+
+    @staticmethod
+    def _request_scores(query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.Tensor | None, request: int,
+                        settings: FlexiCacheConfig) -> torch.Tensor:
+        """``[H]`` stability of one request's heads (``nan``: too few pages), from ``query [Hq, T, D]`` and
+        ``keys [H, T, D]``."""
+        if real_tokens is not None:  # left padding: the real tokens are the last ones
+            real = int(real_tokens[request].sum())
+            query, keys = query[:, max(0, query.shape[1] - real):], keys[:, keys.shape[1] - real:]
+        if keys.shape[1] < 2:
+            return torch.full((keys.shape[0],), float("nan"))
+        window = min(WINDOW, query.shape[1])
+        stability = prompt_stability(query[None, :, -window:].float(), keys[None].float(), settings.token_budget,
+                                     settings.page_size, MAX_DISTANCE, settings.group_reduce)
+        return stability[0].cpu()
