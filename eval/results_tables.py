@@ -3,7 +3,8 @@ config.json, as `flexicache eval` leaves them).
 
 One table per folder: a row per (task, budget) with dense, the oracle pages, FlexiCache (its defaults) and Quest's
 bound (``spread_weight=1.0,principal_bounds=false``), each as score and ratio to dense, the number of samples, and the
-folder's command; folders under ``levers/`` get one row per method instead (every setting they compare).
+folder's command; folders under ``levers/`` and ``profiles/`` get one row per method instead (every setting they
+compare).
 ``python eval/results_tables.py eval/results/cpu`` prints them; ``--update eval/RESULTS.md`` writes them between that
 file's ``<!-- results-tables -->`` and ``<!-- /results-tables -->`` lines.
 """
@@ -88,7 +89,7 @@ def all_tables(root: Path) -> str:
     """Every folder's table under a heading ``### <model>: <run>``."""
     sections = []
     for folder in sorted(path.parent for path in root.glob("*/*/metrics.json")):
-        render = lever_table if folder.parent.name == "levers" else table
+        render = lever_table if folder.parent.name in ("levers", "profiles") else table
         sections.append(f"### {folder.parent.name}: {folder.name}\n\n{render(folder)}\n")
     return "\n".join(sections)
 

@@ -7,8 +7,11 @@ positions are treated as decode steps, and the stability of each head's top-K pa
 positions (:func:`flexicache.profiling.online.prompt_stability`, the offline profiler's measure) ranks the heads.
 The layers decide one after another within the prefill forward, so the fraction is kept over the heads seen so far:
 a layer's head is unstable when its score is within the lowest :data:`UNSTABLE_FRACTION` of all scores of this and the
-earlier layers (ties at the threshold: as many as keep the count of unstable heads at that fraction). A layer whose prompt is too short to tell (no more pages than the budget holds) keeps the default
-profile's heads (:meth:`HeadProfile.default`), as does a cache whose first chunk is a single token.
+earlier layers (ties at the threshold: as many as keep the count of unstable heads at that fraction). A layer whose
+prompt is too short to tell (no more pages than the budget holds) keeps the default profile's heads
+(:meth:`HeadProfile.default`), as does a cache whose first chunk is a single token. One split serves a batch (the
+requests' scores averaged), so a request in a batch can decode differently from the same request alone; a fixed
+profile keeps them equal.
 """
 
 from __future__ import annotations
