@@ -29,7 +29,8 @@ def main() -> None:
     dense = perplexity(*decode_nll(model, ids, DynamicCache(config=model.config), PREFILL))
     print(f"dense: ppl {dense:.3f}")
     configurations = [
-        ("default profile, budget 128", dict(token_budget=128)),
+        ("default profile, budget 128", dict(token_budget=128, profile="default")),
+        ("no profile (estimated from the prompt), budget 128", dict(token_budget=128)),
         ("shipped profile, budget 128", dict(token_budget=128, profile=shipped)),
         ("Quest-like (all unstable), budget 128", dict(token_budget=128, profile=every_head)),
         ("Quest-like, budget 128, page size 8", dict(token_budget=128, profile=every_head, page_size=8)),

@@ -62,13 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     shipped = shipped_profile_path("smollm2-135m-instruct") if args.model == SMOLLM2 else None
     profile_path = args.profile or shipped
     profile = HeadProfile.load(profile_path) if profile_path else None
-    print(f"profile: {profile_path or 'HeadProfile.default'}")
+    print(f"profile: {profile_path or 'none (unstable heads estimated from each prompt)'}")
 
     tasks = synthetic.build_tasks(tokenizer, args.tasks, args.lengths, args.limit, seed=args.seed,
                                   max_new_tokens=args.max_new_tokens)
 
     methods = [DenseMethod(model)]  # one row each; names: dense, flexicache@128, ...
-    profile_name = args.profile or ("shipped:smollm2-135m-instruct" if shipped else None)  # recorded in methods.json
+    profile_name = args.profile or ("shipped:smollm2-135m-instruct" if shipped else "online")  # kept in methods.json
     methods += [FlexiCacheMethod(model, {"token_budget": budget}, profile, profile_name) for budget in args.budget]
     start = time.perf_counter()
     summary = run_tasks(model, tokenizer, tasks, methods, args.out, decode_tail=args.decode_tail,

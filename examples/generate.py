@@ -41,7 +41,7 @@ def resolve_profile(path: str | None, model: str) -> HeadProfile | None:
     if path:
         return HeadProfile.load(path)
     shipped = shipped_profile_path(SHIPPED_SMOLLM2_PROFILE) if model == SMOLLM2 else None
-    return HeadProfile.load(shipped) if shipped else None  # None: HeadProfile.default (first 2 layers unstable)
+    return HeadProfile.load(shipped) if shipped else None  # None: the unstable heads estimated from the prompt
 
 
 def build_prompt(tokenizer, question: str, document: str | None, chat: bool) -> torch.Tensor:
@@ -103,10 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     cache = FlexiCache.from_model(model, profile=profile, token_budget=args.budget, page_size=args.page_size,
                                   rerank_interval=args.rerank_interval, backend=args.backend,
                                   max_cache_len=input_ids.shape[1] + args.max_new_tokens)
-    source = args.profile or ("shipped SmolLM2 profile" if profile else "HeadProfile.default")
-    print(f"prompt {input_ids.shape[1]} tokens; FlexiCache budget {args.budget} tokens per KV head; profile: "
-          f"{source} ({len(cache.profile.unstable_heads)} of "
-          f"{cache.profile.num_layers * cache.profile.num_kv_heads} KV heads unstable)")
+    source = args.profile or ("shipped SmolLM2 profile" if profile else "none (unstable heads estimated from the prompt)")
+    print(f"prompt {input_ids.shape[1]} tokens; FlexiCache budget {args.budget} tokens per KV head; profile: {source}")
 
     options: dict = {"do_sample": False}
     if args.sample:

@@ -42,6 +42,16 @@ def test_ties_take_only_what_the_fraction_allows(monkeypatch: pytest.MonkeyPatch
     assert split.num_unstable == 2  # a quarter of 8, not every tied head
 
 
+@pytest.mark.parametrize("order", ["rising", "falling"])
+def test_the_count_stays_near_the_fraction_when_stability_changes_with_depth(monkeypatch, order: str) -> None:
+    """30 layers of 8 heads whose scores rise (or fall) with depth: a quarter of 240 heads, within one layer's 8."""
+    split = OnlineHeadSplit()
+    for layer in range(30):
+        level = layer if order == "rising" else 30 - layer
+        decide(split, [level + head / 10 for head in range(8)], monkeypatch)
+    assert abs(split.num_unstable - 60) <= 8, split.num_unstable
+
+
 def test_a_prompt_too_short_to_tell_keeps_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     split = OnlineHeadSplit()
     assert decide(split, [float("nan")] * 3, monkeypatch, fallback=(0, 2)) == [0, 2]

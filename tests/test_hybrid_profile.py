@@ -93,7 +93,7 @@ def test_default_profile_covers_the_full_attention_layers():
     assert profile.sparse_layers == [2, 5] and profile.covered_layers() == [2, 5]
     assert profile.unstable_heads == [(2, 0), (2, 1)]
     assert "full-attention layers" in profile.calibration["source"]
-    cache = FlexiCache.from_model(model, token_budget=16, page_size=8)  # profile=None: the default
+    cache = FlexiCache.from_model(model, profile="default", token_budget=16, page_size=8)
     assert cache.profile.sparse_layers == [2, 5]
     assert [layer.unstable_heads for layer in cache.layers if isinstance(layer, FlexiLayer)] == [[0, 1], [0, 1]]
     full_attention = HeadProfile.default(family_model("phi3-long").config)

@@ -7,11 +7,12 @@ positions are treated as decode steps, and the stability of each head's top-K pa
 positions (:func:`flexicache.profiling.online.prompt_stability`, the offline profiler's measure) ranks the heads.
 The layers decide one after another within the prefill forward, so the fraction is kept over the heads seen so far:
 a layer's head is unstable when its score is within the lowest :data:`UNSTABLE_FRACTION` of all scores of this and the
-earlier layers (ties at the threshold: as many as keep the count of unstable heads at that fraction). A layer whose
+earlier layers (ties at the threshold: as many as keep the count of unstable heads at that fraction), and the count so
+far stays within one layer's heads of that fraction (layers whose scores rise or fall with depth). A layer whose
 prompt is too short to tell (no more pages than the budget holds) keeps the default profile's heads
 (:meth:`HeadProfile.default`), as does a cache whose first chunk is a single token. One split serves a batch (the
 requests' scores averaged), so a request in a batch can decode differently from the same request alone; a fixed
-profile keeps them equal.
+profile keeps them equal. A chunked prefill is estimated from its first chunk.
 """
 
 from __future__ import annotations
@@ -59,11 +60,15 @@ class OnlineHeadSplit:
         target = max(1, math.ceil(UNSTABLE_FRACTION * len(self.scores)))  # unstable heads so far, this layer's too
         threshold = sorted(self.scores)[target - 1]
         ranked = sorted(finite, key=lambda item: item[1])
-        below = [head for head, score in ranked if score < threshold]
-        ties = [head for head, score in ranked if score == threshold]  # as many as the fraction still allows
-        unstable = below + ties[: max(0, target - self.num_unstable - len(below))]
-        self.num_unstable += len(unstable)
-        return sorted(unstable)
+        below = sum(score < threshold for _, score in ranked)
+        ties = sum(score == threshold for _, score in ranked)  # as many as the fraction still allows
+        wanted = below + min(ties, max(0, target - self.num_unstable - below))
+        # the running count stays within one layer's heads of the target, whatever order the layers' scores come in
+        slack = keys.shape[1]
+        count = min(max(wanted, target - slack - self.num_unstable), target + slack - self.num_unstable, len(ranked))
+        count = max(count, 0)
+        self.num_unstable += count
+        return sorted(head for head, _ in ranked[:count])
 
     @staticmethod
     def _request_scores(query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.Tensor | None, request: int,

@@ -61,7 +61,9 @@ class FlexiLayer(CacheLayerMixin):
     def _clear(self) -> None:
         """Drop the storage and decode path (their buffers are freed as soon as nothing else refers to them)."""
         self.is_initialized = False
-        self._use_heads(self.profile_unstable)  # with an online split: until the first prompt chunk decides
+        # with an online split, every head counts as stable until the first prompt chunk decides (the host-memory
+        # check before that chunk then asks for the most a host tier can take)
+        self._use_heads(self.profile_unstable if self.head_split is None else [])
         self.num_chunks = 0  # chunks (prefill chunks and decode steps) stored in this layer's pages
         self.storage: LayerStorage | None = None
         self.backend: DecodeBackend | None = None
@@ -77,18 +79,21 @@ class FlexiLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch_size, num_heads, _, head_dim = key_states.shape
-        if num_heads != self.num_kv_heads:
-            raise ValueError(
-                f"Layer {self.layer_idx} received {num_heads} KV heads but the HeadProfile/config has "
-                f"{self.num_kv_heads}; build the cache from this model's config (under tensor parallelism with "
-                "FlexiCache.from_model(model), which keeps this rank's KV heads)."
-            )
+        self._check_num_heads(num_heads)
         device, dtype = key_states.device, key_states.dtype
         fused = decode_paths.fused_kernels_available(device, head_dim)
         storage = LayerStorage(self.settings, self.unstable_heads, self.num_kv_heads, batch_size, head_dim, dtype,
                                device, decode_paths.reserved_device_pages(self.settings, fused))
         self.backend = layer_backend(self.backends, self.settings.backend, device, dtype, head_dim)
         self.use_storage(storage)
+
+    def _check_num_heads(self, num_heads: int) -> None:
+        if num_heads != self.num_kv_heads:
+            raise ValueError(
+                f"Layer {self.layer_idx} received {num_heads} KV heads but the HeadProfile/config has "
+                f"{self.num_kv_heads}; build the cache from this model's config (under tensor parallelism with "
+                "FlexiCache.from_model(model), which keeps this rank's KV heads)."
+            )
 
     def use_storage(self, storage: LayerStorage) -> None:
         """Hold ``storage`` (made at the first update, or for a new selection of requests) with the decode path
@@ -117,6 +122,8 @@ class FlexiLayer(CacheLayerMixin):
         if self.closed:
             raise RuntimeError(CLOSED_MESSAGE)
         if not self.is_initialized and (self.head_split is None or key_states.shape[2] == 1):
+            if self.head_split is not None:  # no prompt to estimate the split from
+                self._use_heads(self.profile_unstable)
             self.lazy_initialization(key_states, value_states)  # else at commit, once the prompt chose the heads
         start = self.get_seq_length()
         keys, values = _detached(key_states), _detached(value_states)
@@ -159,6 +166,7 @@ class FlexiLayer(CacheLayerMixin):
         """
         keys, values = chunk.keys, chunk.values
         if not self.is_initialized:  # an online split: this first prompt chunk chooses the unstable heads
+            self._check_num_heads(keys.shape[1])
             self._use_heads(self.head_split.unstable_heads(_detached(query), keys, real_tokens, self.settings,
                                                            self.profile_unstable))
             self.lazy_initialization(keys, values)

@@ -37,6 +37,13 @@ def quest_page_scores(
     Returns:
         ``[R, P]`` scores in float32 (float64 if the inputs are float64).
     """
+    return reduce_group(box_scores(query, kmin, kmax, spread_weight), group_reduce)
+
+
+def box_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, spread_weight: float = 1.0
+               ) -> torch.Tensor:
+    """``[R, Q, P]`` box score of each of ``Q`` queries per row (:func:`quest_page_scores` before its reduction), from
+    ``query [R, Q, D]`` and ``kmin, kmax [R, P, D]``."""
     compute_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     q = query.to(compute_dtype)
     positive, negative = q.clamp(min=0), q.clamp(max=0)
@@ -44,7 +51,12 @@ def quest_page_scores(
         high, low = spread_weights(spread_weight)
         positive, negative = high * positive + low * negative, high * negative + low * positive
     scores = torch.bmm(positive, kmax.to(compute_dtype).transpose(1, 2))
-    scores += torch.bmm(negative, kmin.to(compute_dtype).transpose(1, 2))  # [R, G, P]
+    scores += torch.bmm(negative, kmin.to(compute_dtype).transpose(1, 2))
+    return scores
+
+
+def reduce_group(scores: torch.Tensor, group_reduce: GroupReduce) -> torch.Tensor:
+    """``[R, P]`` from the scores ``[R, G, P]`` of a GQA group's query heads: their max or their sum."""
     if group_reduce == "max":
         return scores.amax(dim=1)
     if group_reduce == "sum":

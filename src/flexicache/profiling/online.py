@@ -17,7 +17,7 @@ import torch
 from flexicache.profile import HeadProfile
 from flexicache.profiling.pages import page_bounds
 from flexicache.profiling.stability import lowest_count, rco_by_distance
-from flexicache.selection import GroupReduce, quest_page_scores, select_pages
+from flexicache.selection import GroupReduce, box_scores, reduce_group, select_pages
 
 
 def prompt_page_sets(
@@ -37,10 +37,11 @@ def prompt_page_sets(
     kmin, kmax = page_bounds(key, page_size)  # [B, H, P, D]
     num_pages = kmin.shape[2]
     rows = batch * heads * window
-    queries = query.view(batch, heads, group, window, dim).transpose(2, 3).reshape(rows, group, dim)
-    kmin = kmin.unsqueeze(2).expand(batch, heads, window, num_pages, dim).reshape(rows, num_pages, dim)
-    kmax = kmax.unsqueeze(2).expand(batch, heads, window, num_pages, dim).reshape(rows, num_pages, dim)
-    scores = quest_page_scores(queries, kmin, kmax, group_reduce)
+    # every tail query of a row against that row's boxes in one product (no copy of the boxes per query)
+    queries = query.view(batch, heads, group, window, dim).transpose(2, 3).reshape(batch * heads, window * group, dim)
+    boxes = (box.reshape(batch * heads, num_pages, dim) for box in (kmin, kmax))
+    scores = box_scores(queries, *boxes)
+    scores = reduce_group(scores.view(rows, group, num_pages), group_reduce)
     positions = torch.arange(length - window, length, device=key.device)
     counts = positions // page_size + 1  # [W]
     pages, _ = select_pages(scores, counts.repeat(batch * heads), token_budget // page_size)
