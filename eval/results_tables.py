@@ -15,6 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
+ONLINE_SUFFIX = ",profile=online"
 QUEST_SUFFIX = ",spread_weight=1.0,principal_bounds=False"
 
 
@@ -57,16 +58,19 @@ def table(folder: Path) -> str:
     metrics = json.loads((folder / "metrics.json").read_text())
     config = json.loads((folder / "config.json").read_text())
     budgets = budgets_of(metrics["methods"])
-    lines = ["| task | budget | n | dense | oracle pages | FlexiCache | Quest's bound |",
-             "|---|---|---|---|---|---|---|"]
+    online = any(method.endswith(ONLINE_SUFFIX) for method in metrics["methods"])  # rows without a profile
+    lines = ["| task | budget | n | dense | oracle pages | FlexiCache | Quest's bound |"
+             + (" FlexiCache, head split from the prompt |" if online else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if online else "")]
     for name, task in metrics["tasks"].items():
         lower = task["kind"] == "perplexity"
         for budget in budgets:
             flexi = f"flexicache@{budget}"
+            suffixes = ["", QUEST_SUFFIX] + ([ONLINE_SUFFIX] if online else [])
             lines.append(" | ".join([
                 f"| {name}", f"{budget}", str(task["n"].get(flexi, "-")), cell(task, "dense", lower),
-                cell(task, f"oracle@{budget}", lower), cell(task, flexi, lower),
-                cell(task, flexi + QUEST_SUFFIX, lower)]) + " |")
+                cell(task, f"oracle@{budget}", lower), *(cell(task, flexi + suffix, lower) for suffix in suffixes)])
+                + " |")
     return "\n".join(lines) + f"\n\n`{command_of(config)}`"
 
 

@@ -13,15 +13,21 @@ models=("${@:-smollm2 levers profiles qwen2.5-coder gemma3}")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 stdlib=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 
-# eval MODEL OUT BUDGET... -- ARGS: one folder, rows dense + (oracle, FlexiCache, Quest's bound) at each budget
+# eval MODEL OUT BUDGET... [SPEC...] -- ARGS: one folder, rows dense + (oracle, FlexiCache, Quest's bound) at each
+# budget, and a row per extra method SPEC (e.g. budget=256,profile=online)
 eval_rows() {
     local model=$1 out=$2; shift 2
-    local budgets=() quest=()
-    while [[ $1 != -- ]]; do budgets+=("$1"); quest+=("budget=$1,spread_weight=1.0,principal_bounds=false"); shift; done
+    local budgets=() quest=() extra=()
+    while [[ $1 != -- ]]; do
+        if [[ $1 == *=* ]]; then extra+=("$1"); else
+            budgets+=("$1"); quest+=("budget=$1,spread_weight=1.0,principal_bounds=false"); fi
+        shift
+    done
     shift
-    echo "+ flexicache eval --model $model --budget ${budgets[*]} --oracle --method ${quest[*]} $* --out $out"
+    local methods=("${quest[@]}" "${extra[@]}")
+    echo "+ flexicache eval --model $model --budget ${budgets[*]} --oracle --method ${methods[*]} $* --out $out"
     python -m flexicache.cli eval --model "$model" --device cpu --no-progress --budget "${budgets[@]}" --oracle \
-        --method "${quest[@]}" "$@" --out "$out"
+        --method "${methods[@]}" "$@" --out "$out"
 }
 
 for model in ${models[@]}; do
@@ -38,13 +44,11 @@ for model in ${models[@]}; do
                 --tasks passkey niah_single_1 --lengths 7680 --limit 10 --max-new-tokens 24
             ;;
         qwen2.5-coder)  # 32k context window: 8k prompts; perplexity at 2k (one core's time)
-            eval_rows qwen2.5-coder "$root/qwen2.5-coder/ppl-2k" 256 128 -- --suite ppl \
-                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
-            python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --suite ppl \
-                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
-                --method budget=256,profile=online budget=128,profile=online --out "$root/qwen2.5-coder/ppl-2k"
+            eval_rows qwen2.5-coder "$root/qwen2.5-coder/ppl-2k" 256 128 budget=256,profile=online \
+                budget=128,profile=online -- --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
+                --context-length 2048 --prefill 1536
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
-                --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
+                --tasks passkey niah_single_1 --lengths 8192 --limit 10 --max-new-tokens 24
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/lcc-8k" 1024 512 -- --suite lcc \
                 --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24
             ;;
