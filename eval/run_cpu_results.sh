@@ -38,7 +38,8 @@ for model in ${models[@]}; do
             python eval/build_lcc_set.py --count 20 --min-words 800 --max-words 1600 --out "$root/lcc_stdlib_20.jsonl"
             eval_rows smollm2 "$root/smollm2/lcc-4k" 512 256 -- --suite lcc --data "$root/lcc_stdlib_20.jsonl" \
                 --context-length 4096 --max-new-tokens 24
-            eval_rows smollm2 "$root/smollm2/ppl-1.5k" 192 96 -- --suite ppl \
+            eval_rows smollm2 "$root/smollm2/ppl-1.5k" 192 96 budget=192,profile=online budget=96,profile=online -- \
+                --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024
             eval_rows smollm2 "$root/smollm2/synthetic-8k" 1024 512 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 7680 --limit 10 --max-new-tokens 24
