@@ -4,7 +4,8 @@ behaviour without a profile).
 A cache without a measured :class:`~flexicache.profile.HeadProfile` decides each sparse layer's unstable heads at its
 first prompt chunk, in the flexicache attention, before the chunk is stored: the last :data:`WINDOW` prompt
 positions are treated as decode steps, and the stability of each head's top-K page sets between neighbouring
-positions (:func:`flexicache.profiling.online.prompt_stability`, the offline profiler's measure) ranks the heads.
+positions (:func:`flexicache.profiling.online.prompt_stability`, the offline profiler's measure, with the pages
+scored by the cache's ``spread_weight`` in the model's axes) ranks the heads.
 The layers decide one after another within the prefill forward, so the fraction is kept over the heads seen so far:
 a layer's head is unstable when its score is within the lowest :data:`UNSTABLE_FRACTION` of all scores of this and the
 earlier layers (ties at the threshold: as many as keep the count of unstable heads at that fraction), and the count so
@@ -82,5 +83,5 @@ class OnlineHeadSplit:
             return torch.full((keys.shape[0],), float("nan"))
         window = min(WINDOW, query.shape[1])
         stability = prompt_stability(query[None, :, -window:].float(), keys[None].float(), settings.token_budget,
-                                     settings.page_size, MAX_DISTANCE, settings.group_reduce)
+                                     settings.page_size, MAX_DISTANCE, settings.group_reduce, settings.spread_weight)
         return stability[0].cpu()

@@ -21,13 +21,15 @@ from flexicache.selection import GroupReduce, box_scores, reduce_group, select_p
 
 
 def prompt_page_sets(
-    query: torch.Tensor, key: torch.Tensor, token_budget: int, page_size: int = 16, group_reduce: GroupReduce = "max"
+    query: torch.Tensor, key: torch.Tensor, token_budget: int, page_size: int = 16, group_reduce: GroupReduce = "max",
+    spread_weight: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K pages of each prompt-tail query over the pages that exist at its position.
 
     Args:
         query: ``[B, Hq, W, D]`` queries of the last ``W`` prompt positions (RoPE applied).
         key: ``[B, H, T, D]`` keys of the whole prompt (``T >= W``), pages starting at position 0.
+        spread_weight: how the pages are scored (:func:`~flexicache.selection.quest_page_scores`; 1: Quest's bound).
 
     Returns:
         ``(pages [W, B, H, min(K, P)], num_pages [W])`` with ``K = token_budget // page_size``.
@@ -40,7 +42,7 @@ def prompt_page_sets(
     # every tail query of a row against that row's boxes in one product (no copy of the boxes per query)
     queries = query.view(batch, heads, group, window, dim).transpose(2, 3).reshape(batch * heads, window * group, dim)
     boxes = (box.reshape(batch * heads, num_pages, dim) for box in (kmin, kmax))
-    scores = box_scores(queries, *boxes)
+    scores = box_scores(queries, *boxes, spread_weight)
     scores = reduce_group(scores.view(rows, group, num_pages), group_reduce)
     positions = torch.arange(length - window, length, device=key.device)
     counts = positions // page_size + 1  # [W]
@@ -55,12 +57,13 @@ def prompt_stability(
     page_size: int = 16,
     max_distance: int = 16,
     group_reduce: GroupReduce = "max",
+    spread_weight: float = 1.0,
 ) -> torch.Tensor:
     """Stability score ``[B, H]`` of one layer from its prompt tail: mean RCO over tail positions ``d`` apart.
 
     Args: as :func:`prompt_page_sets`. ``nan`` where the prompt has too few pages (``N <= K``) to tell.
     """
-    pages, counts = prompt_page_sets(query, key, token_budget, page_size, group_reduce)
+    pages, counts = prompt_page_sets(query, key, token_budget, page_size, group_reduce, spread_weight)
     distance = max(1, min(max_distance, pages.shape[0] - 1))
     curve, _ = rco_by_distance(pages.cpu(), counts, token_budget // page_size, distance)
     return curve.nanmean(dim=0).to(torch.float32)
