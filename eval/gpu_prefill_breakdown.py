@@ -106,9 +106,7 @@ def main() -> None:
     device = torch.device(args.device)
     config = model_config(args.shape, args.layers)
     model = build_model(config, device, torch.bfloat16, seed=0)
-    shape = Shape(args.layers, config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads,
-                  config.head_dim)
-    settings = {"profile": random_profile(shape, args.unstable_fraction), "token_budget": args.budget,
+    settings = {"profile": random_profile(Shape.of(config), args.unstable_fraction), "token_budget": args.budget,
                 "max_cache_len": args.context + 1, "backend": "auto" if device.type == "cuda" else "reference",
                 "principal_bounds": not args.no_principal_bounds}
     ids = random_ids(args.batch, args.context, config.vocab_size, device, seed=1)

@@ -117,9 +117,7 @@ def main() -> None:
     layers = args.layers or full_layers(args.shape)
     config = model_config(args.shape, layers)
     model = build_model(config, device, torch.bfloat16, seed=0)
-    shape = Shape(layers, config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads,
-                  config.head_dim)
-    settings = {"profile": random_profile(shape, args.unstable_fraction), "token_budget": args.budget,
+    settings = {"profile": random_profile(Shape.of(config), args.unstable_fraction), "token_budget": args.budget,
                 "max_cache_len": args.context + args.new_tokens,
                 "backend": "auto" if device.type == "cuda" else "reference"}
     ids = random_ids(args.batch, args.context, config.vocab_size, device, seed=1)

@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from flexicache import FlexiCache, disable_step_graphs, enable_step_graphs, forward_guard
+from flexicache.sequence import SequenceState
 from flexicache.step_graph import StepGraphs, StepGraphStore
 
 
@@ -205,12 +206,10 @@ class _DecodeKeys:
     device = torch.device("cuda", 0)
 
 
-def hint_store(**changes) -> StepGraphStore:
-    model = tiny_model()
-    cache = FlexiCache(model.config, token_budget=32)
-    store = StepGraphStore([_CudaLayer(), _CudaLayer()], cache.sequence, enabled=changes.pop("enabled", True),
-                           refusal=changes.pop("refusal", None))
-    store.driven = changes.pop("driven", False)
+def hint_store(driven: bool, enabled: bool, refusal: str | None) -> StepGraphStore:
+    store = StepGraphStore([_CudaLayer(), _CudaLayer()], SequenceState(page_size=16), enabled=enabled,
+                           refusal=refusal)
+    store.driven = driven
     return store
 
 

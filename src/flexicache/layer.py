@@ -73,7 +73,7 @@ class FlexiLayer(CacheLayerMixin):
 
     def _use_heads(self, unstable_heads: list[int]) -> None:
         self.unstable_heads = sorted(unstable_heads)
-        self.stable_heads = [head for head in range(self.num_kv_heads) if head not in set(unstable_heads)]
+        self.stable_heads = [head for head in range(self.num_kv_heads) if head not in self.unstable_heads]
 
     # ------------------------------------------------------------------------------------ transformers protocol
 

@@ -24,6 +24,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import LlamaConfig
@@ -40,6 +41,13 @@ class Shape:
     num_kv_heads: int = 8
     group: int = 4
     head_dim: int = 128
+
+    @classmethod
+    def of(cls, config: Any) -> Shape:
+        """The attention shape of a model ``config`` (a decoder's layers, KV heads, GQA group and head dim)."""
+        num_kv_heads = config.num_key_value_heads
+        return cls(config.num_hidden_layers, num_kv_heads, config.num_attention_heads // num_kv_heads,
+                   config.head_dim)
 
     def config(self) -> LlamaConfig:
         heads = self.num_kv_heads * self.group

@@ -33,9 +33,7 @@ NEVER = 10**9  # a rerank interval no run reaches
 
 
 def shape_of(model_name: str, layers: int) -> Shape:
-    config = model_config(model_name, layers)
-    return Shape(layers, config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads,
-                 config.head_dim)
+    return Shape.of(model_config(model_name, layers))
 
 
 def run_attention(suite: Suite, model_name: str, result: CaseResult) -> None:

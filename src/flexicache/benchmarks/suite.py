@@ -131,15 +131,15 @@ class System:
             return DynamicCache(config=config)
         if self.kind == "dynamic-offload":
             return DynamicCache(config=config, offloading=True)
-        num_layers, num_kv_heads = config.num_hidden_layers, config.num_key_value_heads
-        shape = Shape(num_layers, num_kv_heads, config.num_attention_heads // num_kv_heads, config.head_dim)
+        shape = Shape.of(config)
         page = int(system_options(self.name).get("page_size", settings.page_size))
         if self.kind == "flexicache":
             profile = random_profile(shape, settings.unstable_fraction, settings.seed)
             budget = self.budget
         else:
-            profile = HeadProfile(num_layers, num_kv_heads, config.head_dim,
-                                  [(layer, head) for layer in range(num_layers) for head in range(num_kv_heads)])
+            profile = HeadProfile(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                  [(layer, head) for layer in range(shape.num_layers)
+                                   for head in range(shape.num_kv_heads)])
             budget = self.budget if self.kind == "quest" else page * math.ceil((tokens + page) / page)
         options = {"page_size": page, "rerank_interval": settings.rerank_interval, "backend": settings.backend,
                    "cuda_graphs": settings.cuda_graphs != "off", "max_cache_len": tokens,
