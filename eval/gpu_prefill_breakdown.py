@@ -4,8 +4,9 @@ Runs the prompt forward (``--batch`` random prompts of ``--context`` tokens, the
 a DynamicCache on sdpa and with ``FlexiCache.from_model`` (``--repeats`` times each: the first FlexiCache prefill
 registers the host tiers' page-locked memory, the later ones borrow it from the pool), and then once more with a
 synchronising timer around each part of FlexiCache's commit of a prompt chunk: the dense attention (sdpa), the
-page metadata (min/max boxes), the principal axes of the boxes, the unstable heads' pages, the stable heads' host
-tier and tails, the first rerank of the stable heads, and the cache's own ``update`` (staging, read-back). The
+page metadata (min/max boxes), the principal axes of the boxes, the online head split (``--online-split``: no
+profile, the library's default), the unstable heads' pages, the stable heads' host tier and tails, the first rerank
+of the stable heads, and the cache's own ``update`` (staging, read-back). The
 timed run synchronises before and after every part, so its total is above the untimed prefill's; the parts say
 where the difference to DynamicCache sits.
 
@@ -31,6 +32,7 @@ from flexicache import FlexiCache, attention, decode_paths, layer, paging, stora
 from flexicache.benchmarks.attention import Shape, random_profile
 from flexicache.benchmarks.measure import build_model, random_ids, synchronize
 from flexicache.benchmarks.suite import MODEL_SHAPES, model_config
+from flexicache.head_split import OnlineHeadSplit
 from flexicache.key_basis import KeyBasis
 from flexicache.models import cache_keyword
 from flexicache.offload import OffloadedPages
@@ -41,6 +43,7 @@ PARTS: list[tuple[str, Any, str]] = [
     ("cache update (stage, read back)", FlexiCache, "update"),
     ("dense attention (sdpa)", attention, "sdpa_attention_forward"),
     ("commit of the chunk", layer.FlexiLayer, "commit"),
+    ("  online head split (no profile)", OnlineHeadSplit, "unstable_heads"),
     ("  plan of the chunk", SequenceState, "plan_chunk"),
     ("  append to the pages", storage.LayerStorage, "append_chunk"),
     ("    principal axes", KeyBasis, "principal_axes"),
@@ -98,6 +101,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--unstable-fraction", type=float, default=0.25)
+    parser.add_argument("--online-split", action="store_true",
+                        help="no profile: each layer's unstable heads estimated from the prompt (the library's default)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-principal-bounds", action="store_true", help="boxes in the model's axes")
     parser.add_argument("--device", default="cuda")
@@ -106,12 +111,14 @@ def main() -> None:
     device = torch.device(args.device)
     config = model_config(args.shape, args.layers)
     model = build_model(config, device, torch.bfloat16, seed=0)
-    settings = {"profile": random_profile(Shape.of(config), args.unstable_fraction), "token_budget": args.budget,
+    profile = None if args.online_split else random_profile(Shape.of(config), args.unstable_fraction)
+    settings = {"profile": profile, "token_budget": args.budget,
                 "max_cache_len": args.context + 1, "backend": "auto" if device.type == "cuda" else "reference",
                 "principal_bounds": not args.no_principal_bounds}
     ids = random_ids(args.batch, args.context, config.vocab_size, device, seed=1)
     print(f"{args.shape}, {args.layers} layers, batch {args.batch} x {args.context} tokens, budget {args.budget}, "
-          f"principal_bounds={settings['principal_bounds']}", flush=True)
+          f"principal_bounds={settings['principal_bounds']}, "
+          f"{'online head split' if args.online_split else 'random profile'}", flush=True)
     model.set_attn_implementation("sdpa")
     dense = [prefill_seconds(model, ids, DynamicCache(config=config)) for _ in range(args.repeats)]
     print("DynamicCache + sdpa: " + ", ".join(f"{s:.3f} s" for s in dense), flush=True)
@@ -133,7 +140,9 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({
             "shape": args.shape, "layers": args.layers, "context": args.context, "batch": args.batch,
-            "budget": args.budget, "principal_bounds": settings["principal_bounds"], "dynamic_cache_s": dense, "flexicache_s": flexi,
+            "budget": args.budget, "principal_bounds": settings["principal_bounds"],
+            "head_split": "online" if args.online_split else f"random, {args.unstable_fraction} unstable",
+            "dynamic_cache_s": dense, "flexicache_s": flexi,
             "timed_total_s": timed_total, "parts_s": {label.strip(): totals[label] for label, _, _ in PARTS},
             "calls": {label.strip(): calls[label] for label, _, _ in PARTS},
         }, indent=2))

@@ -25,7 +25,7 @@ def run_script(name: str, *args: str) -> str:
 
 
 @pytest.mark.parametrize("name", ["gpu_step_profile.py", "gpu_prefill_profile.py", "gpu_prefill_breakdown.py",
-                                  "gpu_kernel_sweep.py", "gpu_repeatability.py"])
+                                  "gpu_eigh_overlap.py", "gpu_kernel_sweep.py", "gpu_repeatability.py"])
 def test_gpu_profiling_scripts_parse_their_arguments(name: str) -> None:
     assert "usage:" in run_script(name, "--help")
 
@@ -38,14 +38,18 @@ def test_repeatability_check_runs_on_the_cpu() -> None:
     assert "dynamic: 1 of 1 repeats bit-identical" in out and "flexicache-eager: 1 of 1 repeats bit-identical" in out
 
 
-def test_prefill_breakdown_runs_on_the_cpu() -> None:
+@pytest.mark.parametrize("online", [False, True])
+def test_prefill_breakdown_runs_on_the_cpu(online: bool) -> None:
     """The smoke test of eval/gpu_prefill_breakdown.py: every part it wraps exists and is reached by a prefill."""
     out = run_script("gpu_prefill_breakdown.py", "--device", "cpu", "--shape", "tiny-llama", "--layers", "2",
-                     "--context", "256", "--batch", "2", "--budget", "64", "--repeats", "1")
+                     "--context", "256", "--batch", "2", "--budget", "64", "--repeats", "1",
+                     *(["--online-split"] if online else []))
     calls = {line[:42].strip(): int(line.split()[-2]) for line in out.splitlines() if line.endswith(" calls")}
     layers = 2
-    expected = {"principal axes": layers, "page metadata (min/max)": layers, "stable heads' host tier + tails": layers,
-                "unstable heads' pages": layers, "commit of the chunk": layers, "dense attention (sdpa)": layers}
+    expected = {"principal axes": layers, "page metadata (min/max)": layers, "commit of the chunk": layers, "dense attention (sdpa)": layers,
+                "online head split (no profile)": layers if online else 0}
+    if not online:  # a random profile with both head classes in every layer (the online split may choose one)
+        expected.update({"stable heads' host tier + tails": layers, "unstable heads' pages": layers})
     assert all(calls[name] == count for name, count in expected.items()), calls
 
 

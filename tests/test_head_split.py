@@ -18,8 +18,7 @@ SETTINGS = FlexiCacheConfig(token_budget=32, page_size=16)
 def decide(split: OnlineHeadSplit, scores: list[float], monkeypatch: pytest.MonkeyPatch,
            fallback: tuple[int, ...] = (0,)) -> list[int]:
     """One layer's decision for given per-head scores (the estimate itself replaced)."""
-    monkeypatch.setattr(OnlineHeadSplit, "_request_scores",
-                        staticmethod(lambda *args: torch.tensor(scores, dtype=torch.float32)))
+    monkeypatch.setattr(head_split, "request_stability", lambda *args: torch.tensor([scores], dtype=torch.float32))
     heads = len(scores)
     return split.unstable_heads(torch.zeros(1, heads, 4, 8), torch.zeros(1, heads, 4, 8), None, SETTINGS,
                                 list(fallback))
@@ -60,15 +59,20 @@ def test_a_prompt_too_short_to_tell_keeps_the_fallback(monkeypatch: pytest.Monke
 
 def test_the_estimate_of_a_real_prompt_scores_every_head_of_a_long_enough_one() -> None:
     generator = torch.Generator().manual_seed(0)
-    keys, query = torch.randn(1, 2, 256, 8, generator=generator), torch.randn(1, 4, 256, 8, generator=generator)
-    scores = OnlineHeadSplit._request_scores(query[0], keys[0], None, 0, SETTINGS)
-    assert scores.shape == (2,) and bool(torch.isfinite(scores).all())
-    short = OnlineHeadSplit._request_scores(query[0, :, :20], keys[0, :, :20], None, 0, SETTINGS)
+    keys, query = torch.randn(2, 2, 256, 8, generator=generator), torch.randn(2, 4, 256, 8, generator=generator)
+    scores = head_split.request_stability(query, keys, None, SETTINGS)
+    assert scores.shape == (2, 2) and bool(torch.isfinite(scores).all())
+    for request in range(2):  # the batch at once: each request as alone
+        torch.testing.assert_close(scores[request], head_split.request_stability(
+            query[request:request + 1], keys[request:request + 1], None, SETTINGS)[0])
+    short = head_split.request_stability(query[:, :, :20], keys[:, :, :20], None, SETTINGS)
     assert bool(torch.isnan(short).all())  # 2 pages, a budget of 2 pages: every page is always selected
-    padded = torch.ones(1, 256, dtype=torch.bool)
-    padded[0, :100] = False  # left padding: only the last 156 tokens count
-    torch.testing.assert_close(OnlineHeadSplit._request_scores(query[0], keys[0], padded, 0, SETTINGS),
-                               OnlineHeadSplit._request_scores(query[0, :, 100:], keys[0, :, 100:], None, 0, SETTINGS))
+    padded = torch.ones(2, 256, dtype=torch.bool)
+    padded[0, :100] = False  # left padding: only the last 156 tokens of request 0 count
+    both = head_split.request_stability(query, keys, padded, SETTINGS)
+    torch.testing.assert_close(both[0], head_split.request_stability(query[:1, :, 100:], keys[:1, :, 100:], None,
+                                                                     SETTINGS)[0])
+    torch.testing.assert_close(both[1], scores[1])
 
 
 def test_a_cache_without_a_profile_splits_its_heads_at_the_first_prompt_chunk() -> None:

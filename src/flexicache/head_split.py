@@ -52,8 +52,7 @@ class OnlineHeadSplit:
                 the scores averaged over the batch (one split serves every request).
             fallback: the heads to keep when the prompt is too short to tell.
         """
-        scores = torch.stack([self._request_scores(query[request], keys[request], real_tokens, request, settings)
-                              for request in range(keys.shape[0])]).nanmean(dim=0)  # [H]
+        scores = request_stability(query, keys, real_tokens, settings).nanmean(dim=0).cpu()  # [H]
         finite = [(head, float(score)) for head, score in enumerate(scores.tolist()) if math.isfinite(score)]
         if not finite:
             return list(fallback)
@@ -71,17 +70,23 @@ class OnlineHeadSplit:
         self.num_unstable += count
         return sorted(head for head, _ in ranked[:count])
 
-    @staticmethod
-    def _request_scores(query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.Tensor | None, request: int,
-                        settings: FlexiCacheConfig) -> torch.Tensor:
-        """``[H]`` stability of one request's heads (``nan``: too few pages), from ``query [Hq, T, D]`` and
-        ``keys [H, T, D]``."""
-        if real_tokens is not None:  # left padding: the real tokens are the last ones
-            real = int(real_tokens[request].sum())
-            query, keys = query[:, max(0, query.shape[1] - real):], keys[:, keys.shape[1] - real:]
-        if keys.shape[1] < 2:
-            return torch.full((keys.shape[0],), float("nan"))
-        window = min(WINDOW, query.shape[1])
-        stability = prompt_stability(query[None, :, -window:].float(), keys[None].float(), settings.token_budget,
-                                     settings.page_size, MAX_DISTANCE, settings.group_reduce, settings.spread_weight)
-        return stability[0].cpu()
+
+def request_stability(query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.Tensor | None,
+                      settings: FlexiCacheConfig) -> torch.Tensor:
+    """``[B, H]`` stability of each request's heads (``nan``: too few pages to tell), each over its real tokens, from
+    ``query [B, Hq, T, D]`` and ``keys [B, H, T, D]`` (left on their device: the caller syncs once per layer)."""
+    if real_tokens is None:  # no padding: every request at once
+        return _stability(query, keys, settings)
+    length = keys.shape[2]  # left padding: the real tokens are the last ones
+    return torch.stack([_stability(query[request, None, :, length - real:], keys[request, None, :, length - real:],
+                                   settings)[0]
+                        for request, real in enumerate(real_tokens.sum(dim=1).tolist())])
+
+
+def _stability(query: torch.Tensor, keys: torch.Tensor, settings: FlexiCacheConfig) -> torch.Tensor:
+    """``[B, H]`` :func:`~flexicache.profiling.online.prompt_stability` of requests without padding."""
+    if keys.shape[2] < 2:
+        return torch.full(keys.shape[:2], float("nan"), device=keys.device)
+    window = min(WINDOW, query.shape[2])
+    return prompt_stability(query[:, :, -window:].float(), keys, settings.token_budget, settings.page_size,
+                            MAX_DISTANCE, settings.group_reduce, settings.spread_weight)

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, Cache, StoppingCriteria, Stopping
 
 from flexicache import FlexiCache, enable_step_graphs
 from flexicache.attention import flexicache_attention_forward
+from flexicache.head_split import WINDOW as TAIL_QUERIES
 
 BYTE_KEYS = ("device_kv_bytes", "device_metadata_bytes", "device_reserved_bytes", "host_kv_bytes",
              "host_reserved_bytes", "dense_kv_bytes")
@@ -61,11 +62,13 @@ def fill_cache(model: Any, cache: Cache, batch: int, context: int, seed: int) ->
         values = torch.randn(kv_shape, generator=generator, device=device, dtype=dtype)
         cache.update(keys, values, index)
         if isinstance(cache, FlexiCache):
-            # The staged chunk holds the keys; the stable heads' first selection needs a query, the (unused) dense
-            # output is computed over the last token only.
-            query = torch.randn(batch, config.num_attention_heads, 1, config.head_dim, generator=generator,
+            # The staged chunk holds the keys; the stable heads' first selection needs a query and a cache without
+            # a profile splits its heads from the prompt's last queries: random queries of the last TAIL_QUERIES
+            # positions, whose (unused) dense output is computed over those positions only.
+            tail = min(TAIL_QUERIES, context)
+            query = torch.randn(batch, config.num_attention_heads, tail, config.head_dim, generator=generator,
                                 device=device, dtype=dtype)
-            flexicache_attention_forward(layer.self_attn, query, keys[:, :, -1:], values[:, :, -1:], None,
+            flexicache_attention_forward(layer.self_attn, query, keys[:, :, -tail:], values[:, :, -tail:], None,
                                          scaling=layer.self_attn.scaling)
         del keys, values
     return random_ids(batch, context + 1, config.vocab_size, device, seed)

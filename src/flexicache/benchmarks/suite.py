@@ -99,7 +99,8 @@ class System:
     ``offloading=True``), ``dense`` (FlexiCache, every head on the device, budget covering the context: dense
     FlashInfer decode), ``flexicache-<budget>`` (stable/unstable profile) and ``quest-<budget>`` (every head
     unstable: all pages on the device, rerank every step); FlexiCache settings may follow a colon
-    (``flexicache-1024:spread_weight=1.0``)."""
+    (``flexicache-1024:spread_weight=1.0``; ``profile=online``: the head split estimated from the prompt in place of
+    the random profile)."""
 
     name: str
 
@@ -142,9 +143,9 @@ class System:
                                    for head in range(shape.num_kv_heads)])
             budget = self.budget if self.kind == "quest" else page * math.ceil((tokens + page) / page)
         options = {"page_size": page, "rerank_interval": settings.rerank_interval, "backend": settings.backend,
-                   "cuda_graphs": settings.cuda_graphs != "off", "max_cache_len": tokens,
-                   **system_options(self.name)}
-        return FlexiCache(config, profile=profile, token_budget=budget, **options)
+                   "cuda_graphs": settings.cuda_graphs != "off", "max_cache_len": tokens, "profile": profile,
+                   **system_options(self.name)}  # profile=online: the split estimated from the prompt
+        return FlexiCache(config, token_budget=budget, **options)
 
 
 def systems(names: list[str]) -> list[System]:

@@ -28,15 +28,17 @@ def prompt_page_sets(
 
     Args:
         query: ``[B, Hq, W, D]`` queries of the last ``W`` prompt positions (RoPE applied).
-        key: ``[B, H, T, D]`` keys of the whole prompt (``T >= W``), pages starting at position 0.
+        key: ``[B, H, T, D]`` keys of the whole prompt (``T >= W``), pages starting at position 0 (any float dtype:
+            their page boxes are taken in it and scored in the query's).
         spread_weight: how the pages are scored (:func:`~flexicache.selection.quest_page_scores`; 1: Quest's bound).
 
     Returns:
-        ``(pages [W, B, H, min(K, P)], num_pages [W])`` with ``K = token_budget // page_size``.
+        ``(pages [W, B, H, min(K, P)], num_pages [W])`` with ``K = token_budget // page_size`` (``num_pages`` on
+        the host).
     """
     batch, heads, length, dim = key.shape
     window, group = query.shape[2], query.shape[1] // heads
-    kmin, kmax = page_bounds(key, page_size)  # [B, H, P, D]
+    kmin, kmax = (bound.to(query.dtype) for bound in page_bounds(key, page_size))  # [B, H, P, D], exact
     num_pages = kmin.shape[2]
     rows = batch * heads * window
     # every tail query of a row against that row's boxes in one product (no copy of the boxes per query)
@@ -44,10 +46,9 @@ def prompt_page_sets(
     boxes = (box.reshape(batch * heads, num_pages, dim) for box in (kmin, kmax))
     scores = box_scores(queries, *boxes, spread_weight)
     scores = reduce_group(scores.view(rows, group, num_pages), group_reduce)
-    positions = torch.arange(length - window, length, device=key.device)
-    counts = positions // page_size + 1  # [W]
-    pages, _ = select_pages(scores, counts.repeat(batch * heads), token_budget // page_size)
-    return pages.view(batch, heads, window, -1).permute(2, 0, 1, 3), counts.cpu()
+    counts = torch.arange(length - window, length) // page_size + 1  # [W] (on the host: no sync)
+    pages, _ = select_pages(scores, counts.to(key.device).repeat(batch * heads), token_budget // page_size)
+    return pages.view(batch, heads, window, -1).permute(2, 0, 1, 3), counts
 
 
 def prompt_stability(
@@ -65,7 +66,7 @@ def prompt_stability(
     """
     pages, counts = prompt_page_sets(query, key, token_budget, page_size, group_reduce, spread_weight)
     distance = max(1, min(max_distance, pages.shape[0] - 1))
-    curve, _ = rco_by_distance(pages.cpu(), counts, token_budget // page_size, distance)
+    curve, _ = rco_by_distance(pages, counts, token_budget // page_size, distance)
     return curve.nanmean(dim=0).to(torch.float32)
 
 

@@ -42,7 +42,7 @@ def rco_by_distance(
     """Mean RCO between the sets of steps ``t`` and ``t + d`` for ``d = 1 .. max_distance``.
 
     Args:
-        pages: ``[S, *heads, K]`` page sets of ``S`` consecutive decode steps.
+        pages: ``[S, *heads, K]`` page sets of ``S`` consecutive decode steps (any device: the curve is on it).
         num_pages: ``[S]`` candidate pages at each step.
 
     Returns:
@@ -51,9 +51,9 @@ def rco_by_distance(
     """
     steps = pages.shape[0]
     head_shape = pages.shape[1:-1]
-    curve = torch.full((max_distance, *head_shape), float("nan"), dtype=torch.float64)
+    curve = torch.full((max_distance, *head_shape), float("nan"), dtype=torch.float64, device=pages.device)
     pairs = torch.zeros(max_distance, dtype=torch.long)
-    num_pages = num_pages.to(torch.long)
+    num_pages = num_pages.to(device="cpu", dtype=torch.long)
     for d in range(1, min(max_distance, steps - 1) + 1):
         valid = num_pages[:-d] > k
         count = int(valid.sum())
