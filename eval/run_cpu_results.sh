@@ -36,7 +36,8 @@ for model in ${models[@]}; do
             eval_rows smollm2 "$root/smollm2/synthetic-4k" 512 256 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 4096 --limit 20 --max-new-tokens 24
             python eval/build_lcc_set.py --count 20 --min-words 800 --max-words 1600 --out "$root/lcc_stdlib_20.jsonl"
-            eval_rows smollm2 "$root/smollm2/lcc-4k" 512 256 -- --suite lcc --data "$root/lcc_stdlib_20.jsonl" \
+            eval_rows smollm2 "$root/smollm2/lcc-4k" 512 256 budget=512,rerank_warmup=16 budget=256,rerank_warmup=16 -- \
+                --suite lcc --data "$root/lcc_stdlib_20.jsonl" \
                 --context-length 4096 --max-new-tokens 24
             eval_rows smollm2 "$root/smollm2/ppl-1.5k" 192 96 budget=192,profile=online budget=96,profile=online -- \
                 --suite ppl \
@@ -50,7 +51,8 @@ for model in ${models[@]}; do
                 --context-length 2048 --prefill 1536
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 10 --max-new-tokens 24
-            eval_rows qwen2.5-coder "$root/qwen2.5-coder/lcc-8k" 1024 512 -- --suite lcc \
+            eval_rows qwen2.5-coder "$root/qwen2.5-coder/lcc-8k" 1024 512 budget=1024,rerank_warmup=16 \
+                budget=512,rerank_warmup=16 -- --suite lcc \
                 --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24
             ;;
         gemma3)  # hybrid: 5 sliding-window (512) layers per global layer; the budget applies to the global layers.
@@ -60,7 +62,7 @@ for model in ${models[@]}; do
             ;;
         levers)  # SmolLM2, one budget: each option of the page selection on its own and combined
             levers=(spread_weight=1.0,principal_bounds=false principal_bounds=false spread_weight=1.0 page_size=8
-                    group_reduce=sum rerank_interval=1)
+                    group_reduce=sum rerank_interval=1 rerank_warmup=16)
             echo "+ levers: ppl"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \

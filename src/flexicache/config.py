@@ -24,6 +24,9 @@ class FlexiCacheConfig:
             page and the current tail page included.
         page_size: tokens per page, a power of two.
         rerank_interval: decode steps between two reranks of a stable head (unstable heads rerank every step).
+        rerank_warmup: decode steps after each prompt chunk during which the stable heads rerank every step, as
+            the unstable heads do (their selection from the prompt's last query goes stale fastest while the answer
+            starts); ``0``: the paper's schedule from the first step. The staggered schedule runs on underneath.
         group_reduce: how page scores of the query heads of one GQA group are combined, ``"max"`` or ``"sum"``.
         spread_weight: how much a page's key spread counts in its score, in ``[0, 1]``: a page scores
             ``q . centre + spread_weight * |q| . radius`` of its key box (:func:`~flexicache.selection.quest_page_scores`);
@@ -47,6 +50,7 @@ class FlexiCacheConfig:
     token_budget: int = 2048
     page_size: int = 16
     rerank_interval: int = 16
+    rerank_warmup: int = 0
     group_reduce: Literal["max", "sum"] = "max"
     spread_weight: float = 0.5
     principal_bounds: bool = True
@@ -72,6 +76,9 @@ class FlexiCacheConfig:
         rerank_interval = integer_argument(self.rerank_interval, "rerank_interval", "a positive integer")
         if rerank_interval < 1:
             raise ValueError(f"rerank_interval must be a positive integer, got {self.rerank_interval!r}.")
+        rerank_warmup = integer_argument(self.rerank_warmup, "rerank_warmup", "a number of decode steps, 0 or more")
+        if rerank_warmup < 0:
+            raise ValueError(f"rerank_warmup must be 0 or more decode steps, got {self.rerank_warmup!r}.")
         if not isinstance(self.group_reduce, str) or self.group_reduce not in ("max", "sum"):
             raise ValueError(f"group_reduce must be 'max' or 'sum', got {self.group_reduce!r}.")
         if (isinstance(self.spread_weight, bool) or not isinstance(self.spread_weight, (int, float))
@@ -85,7 +92,8 @@ class FlexiCacheConfig:
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}.")
         for name, value in (("page_size", page_size), ("token_budget", token_budget),
-                            ("rerank_interval", rerank_interval), ("spread_weight", float(self.spread_weight))):
+                            ("rerank_interval", rerank_interval), ("rerank_warmup", rerank_warmup),
+                            ("spread_weight", float(self.spread_weight))):
             object.__setattr__(self, name, value)
         if self.max_cache_len is not None:
             object.__setattr__(self, "max_cache_len", _positive_tokens(self.max_cache_len))

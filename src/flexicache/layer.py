@@ -180,6 +180,7 @@ class FlexiLayer(CacheLayerMixin):
                 offloaded.counters.reranks += offloaded.num_rows
             # Stagger: layer l reranks at decode steps where (step + l) % interval == 0, so no step pays them all.
             offloaded.steps_since_rerank = self.layer_idx % self.settings.rerank_interval
+            offloaded.steps_since_prompt = 0
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, plan: AppendPlan) -> None:
         """Append a chunk ``[B, H, T, D]`` to both head classes following ``plan``."""
@@ -230,9 +231,11 @@ class FlexiLayer(CacheLayerMixin):
         if offloaded is None:
             return 0
         offloaded.steps_since_rerank += 1
-        if offloaded.steps_since_rerank < self.settings.rerank_interval:
+        offloaded.steps_since_prompt += 1
+        if offloaded.steps_since_rerank >= self.settings.rerank_interval:
+            offloaded.steps_since_rerank = 0
+        elif offloaded.steps_since_prompt > self.settings.rerank_warmup:
             return 0
-        offloaded.steps_since_rerank = 0
         width = plan.full_page_width
         if width:
             offloaded.counters.reranks += offloaded.num_rows
@@ -241,8 +244,9 @@ class FlexiLayer(CacheLayerMixin):
     def rerank_due(self, plan: AppendPlan) -> bool:
         """Whether the stable heads rerank at the decode step ``plan`` (no state change)."""
         offloaded = self.storage.offloaded
-        return (offloaded is not None and offloaded.steps_since_rerank + 1 >= self.settings.rerank_interval
-                and plan.full_page_width > 0)
+        return (offloaded is not None and plan.full_page_width > 0
+                and (offloaded.steps_since_rerank + 1 >= self.settings.rerank_interval
+                     or offloaded.steps_since_prompt + 1 <= self.settings.rerank_warmup))
 
     # ------------------------------------------------------- whole-step CUDA graphs (flexicache.step_graph)
 

@@ -69,6 +69,7 @@ class OffloadedPages:
                              pin_memory=host_tier.pins_host_tier(device), capacity=host_pages)
         self.counters = TransferCounters()
         self.steps_since_rerank = 0
+        self.steps_since_prompt = 0  # decode steps since the last prompt chunk (the rerank warm-up)
         self.zero_copy = zero_copy_available(device)
         if self.zero_copy:  # counted on the device, in place (a whole-step CUDA graph replays the additions)
             self.counters.promoted_pages = torch.zeros((), dtype=torch.long, device=device)
@@ -264,6 +265,7 @@ class OffloadedPages:
             self.host.k[target].copy_(source.host.k[request])
             self.host.v[target].copy_(source.host.v[request])
         self.counters, self.steps_since_rerank = source.counters, source.steps_since_rerank
+        self.steps_since_prompt = source.steps_since_prompt
 
     # ----------------------------------------------------------------------------------------------- rerank
 
