@@ -1,9 +1,10 @@
 """The accuracy tables of eval/RESULTS.md, from the stored results folders (each folder's metrics.json and
 config.json, as `flexicache eval` leaves them).
 
-One table per folder: a row per (task, budget) with dense, the oracle pages, FlexiCache (its defaults) and Quest's
-bound (``spread_weight=1.0,principal_bounds=false``), each as score and ratio to dense, the number of samples, and the
-folder's command; folders under ``levers/`` and ``profiles/`` get one row per method instead (every setting they
+One table per folder: a row per (task, budget) with dense, the oracle pages, FlexiCache (its defaults), Quest's
+bound (``spread_weight=1.0,principal_bounds=false``) and the variants of :data:`VARIANTS` the folder holds, each as
+score and ratio to dense, the number of samples, and the folder's command; for generated answers also how often each
+method's output is dense's, token for token; folders under ``levers/`` and ``profiles/`` get one row per method instead (every setting they
 compare).
 ``python eval/results_tables.py eval/results/cpu`` prints them; ``--update eval/RESULTS.md`` writes them between that
 file's ``<!-- results-tables -->`` and ``<!-- /results-tables -->`` lines.
@@ -15,8 +16,10 @@ import argparse
 import json
 from pathlib import Path
 
-ONLINE_SUFFIX = ",profile=online"
 QUEST_SUFFIX = ",spread_weight=1.0,principal_bounds=False"
+# FlexiCache variants a folder may hold beside the defaults: (method suffix, column header)
+VARIANTS = ((",profile=online", "FlexiCache, head split from the prompt"),
+            (",rerank_warmup=16", "FlexiCache, `rerank_warmup=16`"))
 
 
 def budgets_of(methods: list[str]) -> list[int]:
@@ -58,20 +61,39 @@ def table(folder: Path) -> str:
     metrics = json.loads((folder / "metrics.json").read_text())
     config = json.loads((folder / "config.json").read_text())
     budgets = budgets_of(metrics["methods"])
-    online = any(method.endswith(ONLINE_SUFFIX) for method in metrics["methods"])  # rows without a profile
+    variants = [(suffix, header) for suffix, header in VARIANTS
+                if any(method.endswith(suffix) for method in metrics["methods"])]
     lines = ["| task | budget | n | dense | oracle pages | FlexiCache | Quest's bound |"
-             + (" FlexiCache, head split from the prompt |" if online else ""),
-             "|---|---|---|---|---|---|---|" + ("---|" if online else "")]
+             + "".join(f" {header} |" for _, header in variants),
+             "|---|---|---|---|---|---|---|" + "---|" * len(variants)]
     for name, task in metrics["tasks"].items():
         lower = task["kind"] == "perplexity"
         for budget in budgets:
             flexi = f"flexicache@{budget}"
-            suffixes = ["", QUEST_SUFFIX] + ([ONLINE_SUFFIX] if online else [])
+            suffixes = ["", QUEST_SUFFIX] + [suffix for suffix, _ in variants]
             lines.append(" | ".join([
                 f"| {name}", f"{budget}", str(task["n"].get(flexi, "-")), cell(task, "dense", lower),
                 cell(task, f"oracle@{budget}", lower), *(cell(task, flexi + suffix, lower) for suffix in suffixes)])
                 + " |")
+    fidelity = [fidelity_row(name, task, budget, [""] + [suffix for suffix, _ in variants])
+                for name, task in metrics["tasks"].items() if task.get("fidelity") for budget in budgets]
+    if fidelity:
+        lines += ["", "Outputs identical to dense's (share of samples; ROUGE-L against dense's outputs):", "",
+                  "| task | budget | oracle pages | FlexiCache | Quest's bound |"
+                  + "".join(f" {header} |" for _, header in variants),
+                  "|---|---|---|---|---|" + "---|" * len(variants), *fidelity]
     return "\n".join(lines) + f"\n\n`{command_of(config)}`"
+
+
+def fidelity_row(name: str, task: dict, budget: int, suffixes: list[str]) -> str:
+    """``identical (ROUGE-L)`` against dense of the oracle, FlexiCache, Quest's bound and the variants at ``budget``."""
+    methods = [f"oracle@{budget}"] + [f"flexicache@{budget}{suffix}" for suffix in (suffixes[0], QUEST_SUFFIX,
+                                                                                      *suffixes[1:])]
+    cells = []
+    for method in methods:
+        entry = task["fidelity"].get(method)
+        cells.append("-" if not entry else f"{entry['identical']:.2f} ({entry['rouge_l_vs_dense']:.2f})")
+    return f"| {name} | {budget} | " + " | ".join(cells) + " |"
 
 
 def lever_table(folder: Path) -> str:

@@ -33,7 +33,8 @@ eval_rows() {
 for model in ${models[@]}; do
     case $model in
         smollm2)  # 8k context window: synthetic retrieval at 4k and 8k
-            eval_rows smollm2 "$root/smollm2/synthetic-4k" 512 256 -- --suite synthetic \
+            eval_rows smollm2 "$root/smollm2/synthetic-4k" 512 256 budget=512,rerank_warmup=16 budget=256,rerank_warmup=16 \
+                -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 4096 --limit 20 --max-new-tokens 24
             python eval/build_lcc_set.py --count 20 --min-words 800 --max-words 1600 --out "$root/lcc_stdlib_20.jsonl"
             eval_rows smollm2 "$root/smollm2/lcc-4k" 512 256 budget=512,rerank_warmup=16 budget=256,rerank_warmup=16 -- \
@@ -43,7 +44,7 @@ for model in ${models[@]}; do
                 --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024
             eval_rows smollm2 "$root/smollm2/synthetic-8k" 1024 512 -- --suite synthetic \
-                --tasks passkey niah_single_1 --lengths 7680 --limit 10 --max-new-tokens 24
+                --tasks passkey niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24
             ;;
         qwen2.5-coder)  # 32k context window: 8k prompts; perplexity at 2k (one core's time)
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/ppl-2k" 256 128 budget=256,profile=online \
