@@ -17,7 +17,7 @@ import torch
 from conftest import greedy, left_pad, mixed_profile, random_prompt, tiny_config, tiny_model
 from transformers import DynamicCache, LlamaConfig
 
-from flexicache import FlexiCache, HeadProfile, attention
+from flexicache import FlexiCache, HeadProfile, attention, warn_once
 
 
 def referrers(obj: object) -> list[str]:
@@ -129,7 +129,7 @@ def test_profile_names_resolve_like_from_pretrained(tmp_path, monkeypatch: pytes
 def test_the_flexicache_attention_without_a_flexicache_warns_once_that_decoding_is_dense(monkeypatch) -> None:
     """A model on the flexicache attention that generates with another cache (or none) decodes densely: it says so,
     once, with what to pass; a prefill alone (one forward, no decode step) does not warn."""
-    monkeypatch.setattr(attention, "_warned_dense_decode", False)
+    monkeypatch.setattr(warn_once, "GIVEN", set())
     config = tiny_config(num_layers=2)
     model = tiny_model(config)
     model.set_attn_implementation(attention.ATTENTION_NAME)

@@ -20,7 +20,7 @@ pytestmark = [
 
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
-from flexicache import FlexiCache, FlexiLayer, HeadProfile
+from flexicache import FlexiCache, FlexiLayer, HeadProfile, warn_once
 from flexicache.decode_paths import GraphedDecode
 from flexicache.parallel import BYTE_KEYS, kv_bytes_by_device
 from flexicache.sliding import SlidingWindowLayer
@@ -88,9 +88,7 @@ def test_hybrid_small_budget_flashinfer_matches_reference_backend() -> None:
 
 
 def test_hybrid_generation_refuses_whole_step_graphs_once_and_keeps_layer_graphs(monkeypatch) -> None:
-    from flexicache import step_graph
-
-    monkeypatch.setattr(step_graph, "_warned_refusals", set())  # as in a fresh process
+    monkeypatch.setattr(warn_once, "GIVEN", set())  # as in a fresh process
     model = gemma3_model()
     ids = torch.randint(0, 512, (2, 600), device="cuda")
     mask = torch.ones_like(ids)

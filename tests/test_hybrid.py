@@ -17,7 +17,7 @@ from hybrid_models import COMMON, EXPECTED_SPARSE, FAMILIES, HYBRID, WINDOW, fam
 from transformers import DeepseekV3Config, DynamicCache, Gemma2Config, GptOssConfig, Qwen3NextConfig, T5Config
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from flexicache import FlexiCache, FlexiLayer, attention
+from flexicache import FlexiCache, FlexiLayer, attention, warn_once
 from flexicache.hybrid import layer_kinds, sparse_layers
 from flexicache.parallel import BYTE_KEYS, kv_bytes_by_device
 from flexicache.sliding import SlidingWindowLayer
@@ -121,7 +121,7 @@ def test_model_without_full_attention_layers_warns_and_holds_dynamic_cache_windo
 
 
 def test_dense_chunks_do_not_warn_of_a_decode_without_flexicache(monkeypatch):
-    monkeypatch.setattr(attention, "_warned_dense_decode", False)
+    monkeypatch.setattr(warn_once, "GIVEN", set())
     model = family_model("gemma3")
     ids, mask = prompts()
     with warnings.catch_warnings():

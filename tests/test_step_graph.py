@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from flexicache import FlexiCache, disable_step_graphs, enable_step_graphs, forward_guard
+from flexicache import FlexiCache, disable_step_graphs, enable_step_graphs, forward_guard, warn_once
 from flexicache.sequence import SequenceState
 from flexicache.step_graph import StepGraphs, StepGraphStore
 
@@ -217,7 +217,7 @@ def hint_store(driven: bool, enabled: bool, refusal: str | None) -> StepGraphSto
 def test_a_decode_step_from_an_unwrapped_forward_on_one_gpu_is_hinted_once(monkeypatch, case: str) -> None:
     """The plain path (``FlexiCache(config)`` on a model whose forward enable_step_graphs never wrapped) on one GPU
     warns once per process and names what to call; nothing where whole-step graphs are on or cannot run."""
-    monkeypatch.setattr(forward_guard, "_hinted_unwrapped", False)
+    monkeypatch.setattr(warn_once, "GIVEN", set())
     store = hint_store(driven=case == "driven", enabled=case != "cuda_graphs off",
                        refusal="hybrid" if case == "refused" else None)
     keys = _DecodeKeys()

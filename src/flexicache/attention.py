@@ -15,7 +15,6 @@ only while the sequence fits in it (see :mod:`flexicache.hybrid`). The softmax s
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from flexicache import handoff
+from flexicache.warn_once import warn_once
 
 ATTENTION_NAME = "flexicache"
 UNSUPPORTED_KWARGS = {
@@ -37,7 +37,6 @@ DENSE_DECODE_WARNING = (
     "model.generate(..., past_key_values=FlexiCache.from_model(model, token_budget=...)) (or cache= from "
     "transformers 5.24); set the model back to \"sdpa\" to silence this for dense runs."
 )
-_warned_dense_decode = False  # the warning above is given once per process
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
@@ -64,10 +63,8 @@ def real_tokens_of_chunk(attention_mask: torch.Tensor | None, start: int, length
 
 def _warn_dense_decode(query: torch.Tensor, key: torch.Tensor) -> None:
     """Warn (once) when a decode step (one query token over a longer cache) runs dense for want of a FlexiCache."""
-    global _warned_dense_decode
-    if not _warned_dense_decode and query.shape[2] == 1 and key.shape[2] > 1:
-        _warned_dense_decode = True
-        warnings.warn(DENSE_DECODE_WARNING, UserWarning, stacklevel=3)
+    if query.shape[2] == 1 and key.shape[2] > 1:
+        warn_once(DENSE_DECODE_WARNING, UserWarning, stacklevel=3)
 
 
 def flexicache_attention_forward(

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -27,6 +26,7 @@ from flexicache.host_limits import check_room, gib, system_limits
 from flexicache.host_pool import BLOCK_BYTES, REMEDY, host_pool
 from flexicache.sequence import SequenceState
 from flexicache.step_graph import StepGraphStore, single_cuda_device
+from flexicache.warn_once import warn_once
 from flexicache.storage import LayerStorage
 
 INTERRUPTED = ("A previous forward through this FlexiCache stopped part-way ({where}), so its layers no longer hold "
@@ -131,17 +131,14 @@ UNWRAPPED_HINT = (
     "FlexiCache.from_model(model, ...), or call flexicache.enable_step_graphs(model) once; cuda_graphs=False in the "
     "cache's settings silences this."
 )
-_hinted_unwrapped = False  # the hint is given once per process
 
 
 def hint_unwrapped_forward(store: StepGraphStore, keys: torch.Tensor) -> None:
     """Warn once per process when a decode step (``keys [B, H, 1, D]``) of a cache that could replay whole-step
     graphs (``cuda_graphs`` on, all layers on one CUDA device, no refusal) runs from a forward that was never
     wrapped by :func:`enable_step_graphs`."""
-    global _hinted_unwrapped
-    if (_hinted_unwrapped or store.driven or not store.enabled or store.refusal is not None or keys.shape[2] != 1
+    if (store.driven or not store.enabled or store.refusal is not None or keys.shape[2] != 1
             or keys.device.type != "cuda" or not store.layers
             or not all(layer.is_initialized for layer in store.layers) or not single_cuda_device(store.layers)):
         return
-    _hinted_unwrapped = True
-    warnings.warn(UNWRAPPED_HINT, RuntimeWarning, stacklevel=4)
+    warn_once(UNWRAPPED_HINT, RuntimeWarning, stacklevel=4)

@@ -51,6 +51,7 @@ import torch
 from flexicache import handoff
 from flexicache.decode_graph import capture, capture_stream
 from flexicache.sequence import AppendPlan, SequenceState
+from flexicache.warn_once import warn_once
 
 
 class StepLayer(Protocol):
@@ -219,15 +220,12 @@ HYBRID_REFUSAL = (
     "its mask comes from the attention mask, which a recorded step does not take. Its decode steps run eagerly; the "
     "full-attention layers keep their per-layer CUDA graphs"
 )
-_warned_refusals: set[str] = set()  # each refusal is warned once per process
 
 
 def _warn_refused(refusal: str, input_ids: torch.Tensor) -> None:
     """Warn once that a cache refuses whole-step graphs, at a decode step (one token per request) on CUDA."""
-    if (refusal not in _warned_refusals and input_ids.device.type == "cuda" and input_ids.dim() == 2
-            and input_ids.shape[1] == 1):
-        _warned_refusals.add(refusal)
-        warnings.warn(f"FlexiCache: no whole-step CUDA graphs: {refusal}.", RuntimeWarning, stacklevel=3)
+    if input_ids.device.type == "cuda" and input_ids.dim() == 2 and input_ids.shape[1] == 1:
+        warn_once(f"FlexiCache: no whole-step CUDA graphs: {refusal}.", RuntimeWarning, stacklevel=3)
 
 
 def single_cuda_device(layers: Sequence[StepLayer]) -> bool:
