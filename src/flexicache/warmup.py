@@ -41,8 +41,9 @@ def warm_up(model: torch.nn.Module, context: int, batch_size: int = 1,
         raise ValueError(f"warm_up needs context >= 1 and batch_size >= 1, got context={context}, "
                          f"batch_size={batch_size}: pass the prompt length and batch of the real work.")
     with FlexiCache.from_model(model, profile, **settings) as cache:  # its buffers go back at the end of the block
-        page_size, interval = cache.settings.page_size, cache.settings.rerank_interval
-        new_tokens = interval + page_size + 1  # every rerank phase, a page boundary, and a step after both
+        cache_settings = cache.settings
+        # the rerank warm-up, every rerank phase after it, a page boundary, and a step after them
+        new_tokens = cache_settings.rerank_warmup + cache_settings.rerank_interval + cache_settings.page_size + 1
         vocab_size = model.config.get_text_config().vocab_size
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(1, vocab_size, (batch_size, context), generator=generator).to(input_device(model))
