@@ -48,8 +48,8 @@ for model in ${models[@]}; do
             ;;
         qwen2.5-coder)  # 32k context window: 8k prompts; perplexity at 2k (one core's time)
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/ppl-2k" 256 128 budget=256,profile=online \
-                budget=128,profile=online -- --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
-                --context-length 2048 --prefill 1536
+                budget=128,profile=online budget=256,rerank_warmup=16 budget=128,rerank_warmup=16 -- --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 10 --max-new-tokens 24
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/lcc-8k" 1024 512 budget=1024,rerank_warmup=16 \
