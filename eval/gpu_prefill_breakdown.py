@@ -102,7 +102,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--unstable-fraction", type=float, default=0.25)
     parser.add_argument("--online-split", action="store_true",
-                        help="no profile: each layer's unstable heads estimated from the prompt (the library's default)")
+                        help="no profile: each layer's unstable heads estimated from the prompt "
+                             "(the library's default)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-principal-bounds", action="store_true", help="boxes in the model's axes")
     parser.add_argument("--device", default="cuda")

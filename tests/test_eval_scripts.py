@@ -46,8 +46,8 @@ def test_prefill_breakdown_runs_on_the_cpu(online: bool) -> None:
                      *(["--online-split"] if online else []))
     calls = {line[:42].strip(): int(line.split()[-2]) for line in out.splitlines() if line.endswith(" calls")}
     layers = 2
-    expected = {"principal axes": layers, "page metadata (min/max)": layers, "commit of the chunk": layers, "dense attention (sdpa)": layers,
-                "online head split (no profile)": layers if online else 0}
+    expected = {"principal axes": layers, "page metadata (min/max)": layers, "commit of the chunk": layers,
+                "dense attention (sdpa)": layers, "online head split (no profile)": layers if online else 0}
     if not online:  # a random profile with both head classes in every layer (the online split may choose one)
         expected.update({"stable heads' host tier + tails": layers, "unstable heads' pages": layers})
     assert all(calls[name] == count for name, count in expected.items()), calls

@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache
 
 from flexicache import attention, forward_guard, handoff
 from flexicache.backends import DecodeBackend, require_flashinfer_support
-from flexicache.config import DEFAULT_PROFILE, ONLINE_PROFILE, FlexiCacheConfig, integer_argument, resolve_profile
+from flexicache.config import FlexiCacheConfig, integer_argument, is_online_profile, resolve_profile
 from flexicache.decode_graph import StepInputs
 from flexicache.head_split import OnlineHeadSplit
 from flexicache.host_pool import host_pool
@@ -82,8 +82,8 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
                 raise ImportError("backend='flashinfer' needs FlashInfer: pip install 'flexicache-kv[cuda]', "
                                   "or use backend='auto'.")
             require_flashinfer_support(None, model_shape(config)[2])  # the KV dtype is known at the first forward
-        online = profile is None or profile == ONLINE_PROFILE
-        self.profile = resolve_profile(None if online or profile == DEFAULT_PROFILE else profile, config)
+        online = is_online_profile(profile)
+        self.profile = resolve_profile(None if online else profile, config)  # with online: where a prompt cannot tell
         self.head_split = OnlineHeadSplit() if online else None
         _, num_kv_heads, _ = model_shape(config)
         self.sequence = SequenceState(page_size)

@@ -136,10 +136,16 @@ ONLINE_PROFILE = "online"  # FlexiCache(profile=...): the unstable heads estimat
 DEFAULT_PROFILE = "default"  # FlexiCache(profile=...): HeadProfile.default
 
 
+def is_online_profile(profile: object) -> bool:
+    """Whether ``FlexiCache(profile=...)`` asks for the unstable heads estimated from each prompt (``None`` or
+    ``"online"``)."""
+    return profile is None or profile == ONLINE_PROFILE
+
+
 def resolve_profile(profile: HeadProfile | str | os.PathLike | None, config: Any) -> HeadProfile:
     """The :class:`HeadProfile` of a cache for the model ``config``, checked against its shape: ``profile`` itself,
     or one read as :meth:`HeadProfile.from_pretrained` reads it (a file, a folder, a shipped profile's name such as
-    ``"smollm2-135m-instruct"``, a hub repository id), or :meth:`HeadProfile.default` for ``None``.
+    ``"smollm2-135m-instruct"``, a hub repository id), or :meth:`HeadProfile.default` for ``None`` or ``"default"``.
 
     Raises:
         ValueError: naming ``profile``: a file that is not a profile (not JSON, missing or mistyped fields), a
@@ -147,7 +153,7 @@ def resolve_profile(profile: HeadProfile | str | os.PathLike | None, config: Any
             for a model of another shape.
     """
     named = "profile"  # how messages name it
-    if profile is None:
+    if profile is None or profile == DEFAULT_PROFILE:
         profile = HeadProfile.default(config)
     elif not isinstance(profile, HeadProfile):
         if not isinstance(profile, (str, os.PathLike)):

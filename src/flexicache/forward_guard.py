@@ -26,8 +26,8 @@ from flexicache.host_limits import check_room, gib, system_limits
 from flexicache.host_pool import BLOCK_BYTES, REMEDY, host_pool
 from flexicache.sequence import SequenceState
 from flexicache.step_graph import StepGraphStore, single_cuda_device
-from flexicache.warn_once import warn_once
 from flexicache.storage import LayerStorage
+from flexicache.warn_once import warn_once
 
 INTERRUPTED = ("A previous forward through this FlexiCache stopped part-way ({where}), so its layers no longer hold "
                "the same tokens; decoding on would attend over the wrong ones. Call cache.reset() and generate again "

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from flexicache.config import DEFAULT_PROFILE, ONLINE_PROFILE, resolve_profile
+from flexicache.config import is_online_profile, resolve_profile
 from flexicache.profile import HeadProfile, model_shape
 
 # Projections whose output holds the keys (as in transformers' own `get_kv_heads_per_rank`), and the TP styles that
@@ -132,9 +132,9 @@ def local_view(model: torch.nn.Module, profile: HeadProfile | str | os.PathLike 
     if shard is None:
         return model.config, profile
     rank, world_size = shard
-    if profile is None or profile == ONLINE_PROFILE:  # estimated from the prompt, over this rank's heads
+    if is_online_profile(profile):  # estimated from the prompt, over this rank's heads
         return shard_config(model.config, world_size), profile
-    profile = resolve_profile(None if profile == DEFAULT_PROFILE else profile, model.config)
+    profile = resolve_profile(profile, model.config)
     return shard_config(model.config, world_size), shard_profile(profile, rank, world_size)
 
 

@@ -14,7 +14,8 @@ def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
     pad = num_pages * page_size - length
     shape = (*keys.shape[:-2], num_pages, page_size, dim)
     if pad == 0:  # whole pages: a view, no padded copies
-        return keys.reshape(shape).amin(dim=-2), keys.reshape(shape).amax(dim=-2)
+        pages = keys.reshape(shape)
+        return pages.amin(dim=-2), pages.amax(dim=-2)
     low = torch.nn.functional.pad(keys, (0, 0, 0, pad), value=float("inf")).reshape(shape)
     high = torch.nn.functional.pad(keys, (0, 0, 0, pad), value=float("-inf")).reshape(shape)
     return low.amin(dim=-2), high.amax(dim=-2)
