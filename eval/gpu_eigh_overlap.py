@@ -1,11 +1,20 @@
-"""Can the principal axes' eigendecompositions run beside a prefill's attention on the GPU?
+"""Where should the principal axes' eigendecompositions run: beside a prefill's attention on the GPU, or on the host?
 
 Times, on one GPU: ``--work`` causal sdpa calls (8 x 32 heads x 8k tokens, bf16: the size of a layer's attention),
 three ``torch.linalg.eigh`` of the 64 covariances (128 x 128, float32) a 32k x 8 prefill solves per layer, and the
 two together: after the work was queued, on a side stream of high priority (the host blocks in the solve while the
 queue runs), on the same stream, and from a second host thread. Overlap would show as "together" below the sum.
+Then one batch of the 64 solves (two spectra) by ``torch.linalg.eigh`` on the GPU and on the host (copied there and
+back), and by ``torch.linalg.svd`` with cuSOLVER's batched drivers (the SVD of a symmetric positive semi-definite
+matrix is its eigendecomposition), with their orthonormality and agreement with ``eigh``'s axes.
 
-Usage: ``python eval/gpu_eigh_overlap.py [--work 32] [--out r.json]``.
+With ``--keys FILE`` it also compares, on real prompt keys, the page boxes in ``eigh``'s axes with those in
+:func:`flexicache.key_basis.symmetric_eigenvectors`'s (the fast CUDA basis): the mean width of a 16-token page's box
+(``|max - min|`` over the axes) in each, and in the model's axes. The keys come from a real model on the CPU
+(``--save-keys FILE``: SmolLM2's prompt keys over 2k tokens of the standard library's source, every other layer).
+
+Usage: ``python eval/gpu_eigh_overlap.py [--work 32] [--keys keys.pt] [--out r.json]``;
+``python eval/gpu_eigh_overlap.py --save-keys keys.pt`` (CPU).
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from flexicache.key_basis import symmetric_eigenvectors
+
 
 def seconds(run: Callable[[], None], repeats: int = 3) -> float:
     """Mean seconds of ``run`` (after one untimed call), the device synchronised."""
@@ -32,11 +43,61 @@ def seconds(run: Callable[[], None], repeats: int = 3) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def save_prompt_keys(path: str, tokens: int = 2048) -> None:
+    """SmolLM2's keys ``[L / 2, H, T, D]`` (float16, every other layer) of a standard-library prompt, into ``path``."""
+    import sysconfig
+
+    from transformers import DynamicCache
+
+    from flexicache.models import load_model
+
+    model, tokenizer = load_model("smollm2", device="cpu", attn_implementation="sdpa")
+    text = Path(sysconfig.get_paths()["stdlib"], "argparse.py").read_text()
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :tokens]
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    keys = torch.stack([layer.keys[0] for layer in cache.layers[::2]]).half()
+    torch.save(keys, path)
+    print(f"saved keys {tuple(keys.shape)} into {path}")
+
+
+def page_box_widths(keys: torch.Tensor, axes: torch.Tensor, page_size: int = 16) -> torch.Tensor:
+    """Mean ``|max - min|`` of the 16-token page boxes of ``keys [N, T, D]`` in ``axes [N, D, D]``, per row ``[N]``."""
+    rotated = torch.bmm(keys, axes)
+    pages = rotated[:, : rotated.shape[1] // page_size * page_size].unflatten(1, (-1, page_size))
+    return (pages.amax(2) - pages.amin(2)).norm(dim=-1).mean(1)
+
+
+def real_key_axes(path: str) -> dict[str, float]:
+    """The fast CUDA basis against ``eigh``'s on the real keys saved in ``path`` (page box widths, orthonormality)."""
+    keys = torch.load(path).cuda().float().flatten(0, 1)
+    centred = keys - keys.mean(1, keepdim=True)
+    covariance = torch.bmm(centred.mT, centred)
+    exact = torch.linalg.eigh(covariance).eigenvectors
+    fast = symmetric_eigenvectors(covariance)
+    identity = torch.eye(keys.shape[-1], device="cuda")
+    exact_widths, fast_widths = page_box_widths(keys, exact), page_box_widths(keys, fast)
+    ratio = fast_widths / exact_widths
+    return {"rows": keys.shape[0], "tokens": keys.shape[1], "head_dim": keys.shape[2],
+            "fast_orthonormality_error": (torch.bmm(fast.mT, fast) - identity).abs().max().item(),
+            "box_width_fast_over_eigh_mean": ratio.mean().item(), "box_width_fast_over_eigh_max": ratio.max().item(),
+            "box_width_model_axes_over_eigh_mean": (page_box_widths(keys, identity.expand_as(exact))
+                                                    / exact_widths).mean().item(),
+            "fast_s": seconds(lambda: symmetric_eigenvectors(covariance)),
+            "eigh_s": seconds(lambda: torch.linalg.eigh(covariance))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=int, default=32, help="sdpa calls queued before the solves")
+    parser.add_argument("--keys", default=None, help="real prompt keys saved by --save-keys: compare the axes on them")
+    parser.add_argument("--save-keys", default=None, help="save SmolLM2's prompt keys here (CPU) and stop")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     args = parser.parse_args()
+    if args.save_keys:
+        save_prompt_keys(args.save_keys)
+        return
     torch.manual_seed(0)
     keys = torch.randn(8, 8, 4096, 128, device="cuda") * torch.linspace(0.1, 3, 128, device="cuda")
     covariance = torch.einsum("bhtd,bhte->bhde", keys, keys)
@@ -89,6 +150,23 @@ def main() -> None:
         "work_plus_3_eigh_gpu_thread_s": seconds(lambda: solves_in_thread(True)),
         "3_eigh_gpu_thread_alone_s": seconds(lambda: solves_in_thread(False)),
     }
+    for spectrum, low, high in (("variances 0.01-9", -1.0, 0.48), ("variances 1e-6-10", -3.0, 0.5)):
+        spread = torch.randn(64, 4096, 128, device="cuda") * torch.logspace(low, high, 128, device="cuda")
+        matrices = spread.mT @ spread
+        axes = torch.linalg.eigh(matrices).eigenvectors
+        row = {"eigh_s": seconds(lambda m=matrices: torch.linalg.eigh(m)),
+               "host_eigh_s": seconds(lambda m=matrices: torch.linalg.eigh(m.cpu()).eigenvectors.to("cuda"))}
+        for driver in ("gesvda", "gesvdj"):
+            row[f"svd_{driver}_s"] = seconds(lambda m=matrices, d=driver: torch.linalg.svd(m, driver=d))
+            vectors = torch.linalg.svd(matrices, driver=driver).U
+            eye = torch.eye(128, device="cuda")
+            row[f"svd_{driver}_orthonormality_error"] = (vectors.mT @ vectors - eye).abs().max().item()
+            # the same axes up to sign and order: each svd axis has one eigh axis it equals
+            row[f"svd_{driver}_min_best_match"] = (axes.mT @ vectors).abs().amax(1).min().item()
+        row["fast_basis_s"] = seconds(lambda m=matrices: symmetric_eigenvectors(m))
+        result[f"one_batch_of_64, spectrum {spectrum}"] = row
+    if args.keys:
+        result["real_keys"] = real_key_axes(args.keys)
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

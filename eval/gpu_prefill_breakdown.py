@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from flexicache import FlexiCache, attention, decode_paths, layer, paging, storage
+from flexicache import FlexiCache, attention, decode_paths, key_basis, layer, paging, storage
 from flexicache.benchmarks.attention import Shape, random_profile
 from flexicache.benchmarks.measure import build_model, random_ids, synchronize
 from flexicache.benchmarks.suite import MODEL_SHAPES, model_config
@@ -47,6 +47,7 @@ PARTS: list[tuple[str, Any, str]] = [
     ("  plan of the chunk", SequenceState, "plan_chunk"),
     ("  append to the pages", storage.LayerStorage, "append_chunk"),
     ("    principal axes", KeyBasis, "principal_axes"),
+    ("      eigendecomposition", key_basis, "symmetric_eigenvectors"),
     ("    page metadata (min/max)", paging.PageMetadata, "append"),
     ("    unstable heads' pages", paging.ResidentPages, "append"),
     ("    stable heads' host tier + tails", OffloadedPages, "append_chunk"),

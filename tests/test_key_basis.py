@@ -3,6 +3,7 @@ give, the generation at a covering budget, padding, and a real effect on page sc
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import (
     Driver,
@@ -18,7 +19,7 @@ from conftest import (
 )
 
 from flexicache import FlexiCache, HeadProfile
-from flexicache.key_basis import KeyBasis
+from flexicache.key_basis import ORTHONORMAL_TOLERANCE, KeyBasis, symmetric_eigenvectors
 from flexicache.selection import quest_page_scores
 
 
@@ -38,6 +39,27 @@ def test_axes_are_orthonormal_and_diagonalise_each_rows_real_keys() -> None:
             real = keys[b, h, start:] - keys[b, h, start:].mean(0)
             spread = axes.T @ (real.T @ real) @ axes
             torch.testing.assert_close(spread, torch.diag(spread.diagonal()), atol=1e-8, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_fast_cuda_basis_is_orthonormal_and_as_tight_as_eighs(dtype: torch.dtype) -> None:
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    spread = torch.logspace(1, -3, 128, device="cuda", dtype=dtype)
+    keys = torch.randn(64, 1024, 128, generator=generator, device="cuda", dtype=dtype) * spread
+    keys = keys @ torch.linalg.qr(torch.randn(128, 128, generator=generator, device="cuda", dtype=dtype)).Q
+    short = torch.randn(3, 20, 128, generator=generator, device="cuda", dtype=dtype)  # rank 19: eigh's fallback
+    covariances = torch.cat([keys.mT @ keys, short.mT @ short, torch.zeros(1, 128, 128, device="cuda", dtype=dtype)])
+    fast = symmetric_eigenvectors(covariances)
+    identity = torch.eye(128, device="cuda", dtype=dtype)
+    assert float((fast.mT @ fast - identity).abs().max()) <= ORTHONORMAL_TOLERANCE
+    exact = torch.linalg.eigh(covariances[:64]).eigenvectors
+
+    def widths(axes: torch.Tensor) -> torch.Tensor:
+        pages = torch.bmm(keys, axes).unflatten(1, (64, 16))
+        return (pages.amax(2) - pages.amin(2)).norm(dim=-1).mean()
+
+    torch.testing.assert_close(widths(fast[:64]), widths(exact), rtol=1e-3, atol=0)
 
 
 def test_scores_are_the_box_scores_of_the_turned_keys_and_turning_keeps_dot_products() -> None:
