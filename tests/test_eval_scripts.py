@@ -25,7 +25,8 @@ def run_script(name: str, *args: str) -> str:
 
 
 @pytest.mark.parametrize("name", ["gpu_step_profile.py", "gpu_prefill_profile.py", "gpu_prefill_breakdown.py",
-                                  "gpu_eigh_overlap.py", "gpu_kernel_sweep.py", "gpu_repeatability.py"])
+                                  "gpu_eigh_overlap.py", "gpu_kernel_sweep.py", "gpu_repeatability.py",
+                                  "gpu_end_to_end.py"])
 def test_gpu_profiling_scripts_parse_their_arguments(name: str) -> None:
     assert "usage:" in run_script(name, "--help")
 
@@ -36,6 +37,14 @@ def test_repeatability_check_runs_on_the_cpu() -> None:
     out = run_script("gpu_repeatability.py", "--device", "cpu", "--repeats", "1", "--new-tokens", "3",
                      "--prompt-tokens", "40")
     assert "dynamic: 1 of 1 repeats bit-identical" in out and "flexicache-eager: 1 of 1 repeats bit-identical" in out
+
+
+def test_end_to_end_runs_every_system_on_the_cpu() -> None:
+    """The smoke test of eval/gpu_end_to_end.py: each system's generate runs and is timed."""
+    out = run_script("gpu_end_to_end.py", "--device", "cpu", "--shape", "tiny-llama", "--context", "256",
+                     "--batch", "2", "--budget", "64", "--new-tokens", "4", "--long-tokens", "8")
+    systems = ("DynamicCache", "StaticCache", "FlexiCache(config)", "FlexiCache.from_model", "the same, 8 new tokens")
+    assert all(any(line.startswith(name) and " p50 " in line for line in out.splitlines()) for name in systems), out
 
 
 @pytest.mark.parametrize("online", [False, True])

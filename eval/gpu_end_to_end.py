@@ -1,0 +1,129 @@
+"""Prompt to answer, as a user runs it: a real prefill, then greedy ``generate``, per system, in one process.
+
+On a random-weight model of a real shape (``--shape``, all its layers by default), ``--batch`` random prompts of
+``--context`` tokens each go through ``model.generate(..., max_new_tokens=--new-tokens)`` with:
+
+- ``DynamicCache`` and ``StaticCache`` (``cache_implementation="static"``) on sdpa;
+- ``FlexiCache(config=model.config, token_budget=...)`` on a model loaded with the flexicache attention and nothing
+  else (the layer-by-layer decode: the "two steps taken apart" of the README);
+- ``FlexiCache.from_model(model, token_budget=...)`` (whole-step CUDA graphs), and the same for
+  ``--long-tokens`` new tokens.
+
+FlexiCache runs without a profile (the library's default: each layer's head split estimated from the prompt). A
+stopping-criteria clock (the device synchronised) times every step: the first interval is prompt to first token
+(the prefill), the rest are decode steps (p50, p99 and p99/p50). Peak device memory is torch's allocator peak over
+the whole ``generate``. One untimed FlexiCache request at full size goes first: the first request of a process
+page-locks its host tier (later ones borrow the pool's blocks), and every system first runs one short untimed
+``generate`` (kernel JIT, CUDA-graph recording of the short shape).
+
+Usage: ``python eval/gpu_end_to_end.py [--shape llama-3.1-8b] [--layers N] [--context 32768] [--batch 8]
+[--budget 1024] [--new-tokens 128] [--long-tokens 2000] [--out r.json]``; ``--device cpu --shape tiny-llama
+--context 256 --batch 2 --budget 64 --new-tokens 4 --long-tokens 8`` is a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache, StoppingCriteriaList
+
+from flexicache import FlexiCache
+from flexicache.attention import ATTENTION_NAME
+from flexicache.benchmarks.measure import StepClock, build_model, peak, random_ids, reset_peak, summarize, synchronize
+from flexicache.benchmarks.suite import MODEL_SHAPES, model_config
+from flexicache.models import cache_keyword
+
+GIB = 2**30
+
+
+def generate_steps(model: Any, ids: torch.Tensor, new_tokens: int, cache: Any = None, **kwargs: Any) -> list[float]:
+    """Milliseconds of every step of one greedy ``generate`` into ``cache`` (the first: prompt to first token)."""
+    clock = StepClock(ids.device)
+    if cache is not None:
+        kwargs[cache_keyword(model)] = cache
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning)  # StaticCache's and sdpa's notes
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                       stopping_criteria=StoppingCriteriaList([clock]), **kwargs)
+    return clock.step_ms()
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure(name: str, model: Any, ids: torch.Tensor, new_tokens: int, warm_ids: torch.Tensor,
+            cache_kwargs: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """One system's row: a short untimed ``generate``, then the timed one."""
+    device = ids.device
+    generate_steps(model, warm_ids, 4, **cache_kwargs())
+    release(device)
+    reset_peak(device)
+    synchronize(device)
+    step_ms = generate_steps(model, ids, new_tokens, **cache_kwargs())
+    row = {"system": name, "new_tokens": new_tokens, "prompt_to_first_token_s": step_ms[0] / 1000,
+           **summarize(step_ms[1:]), "step_ms_max": max(step_ms[1:]), "peak_device_gib": (peak(device) or 0) / GIB}
+    print(f"{name:<58} p50 {row['step_ms_p50']:7.2f} ms  p99 {row['step_ms_p99']:7.2f} ms  "
+          f"(p99/p50 {row['p99_over_p50']:.2f}, max {row['step_ms_max']:.2f})  first token "
+          f"{row['prompt_to_first_token_s']:6.2f} s  peak {row['peak_device_gib']:6.1f} GiB", flush=True)
+    release(device)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(MODEL_SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's all)")
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--long-tokens", type=int, default=2000)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    config = model_config(args.shape, args.layers)
+    model = build_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32, seed=0,
+                        step_graphs=False)
+    ids = random_ids(args.batch, args.context, config.vocab_size, device, seed=1)
+    warm_ids = ids[:, : min(args.context, 1024)]
+    print(f"{args.shape}, {config.num_hidden_layers} layers, batch {args.batch} x {args.context} tokens, budget "
+          f"{args.budget}, {args.new_tokens} new tokens ({args.long_tokens} for the long run)", flush=True)
+    start = time.perf_counter()
+    rows = [
+        measure("DynamicCache + sdpa", model, ids, args.new_tokens, warm_ids,
+                lambda: {"cache": DynamicCache(config=config)}),
+        measure('StaticCache (cache_implementation="static") + sdpa', model, ids, args.new_tokens, warm_ids,
+                lambda: {"cache_implementation": "static"}),
+    ]
+    model.set_attn_implementation(ATTENTION_NAME)
+    generate_steps(model, ids, 2, cache=FlexiCache(config=config, token_budget=args.budget))  # page-lock
+    release(device)
+    rows.append(measure("FlexiCache(config) on the flexicache attention", model, ids, args.new_tokens, warm_ids,
+                        lambda: {"cache": FlexiCache(config=config, token_budget=args.budget)}))
+    rows.append(measure("FlexiCache.from_model(model) (whole-step graphs)", model, ids, args.new_tokens, warm_ids,
+                        lambda: {"cache": FlexiCache.from_model(model, token_budget=args.budget)}))
+    rows.append(measure(f"the same, {args.long_tokens} new tokens", model, ids, args.long_tokens, warm_ids,
+                        lambda: {"cache": FlexiCache.from_model(model, token_budget=args.budget)}))
+    print(f"total {time.perf_counter() - start:.0f} s", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "shape": args.shape, "layers": config.num_hidden_layers, "context": args.context, "batch": args.batch,
+            "budget": args.budget, "profile": None, "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "rows": rows,
+        }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
