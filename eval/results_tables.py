@@ -52,6 +52,8 @@ def command_of(config: dict) -> str:
         parts.append(f"--{key.replace('_', '-')} {' '.join(values)}")
     if config.get("oracle"):
         parts.append("--oracle")
+    if config.get("oracle_candidates"):
+        parts.append("--oracle-candidates " + " ".join(str(n) for n in config["oracle_candidates"]))
     parts.append(f"--out {config['out']}")
     return " ".join(parts)
 

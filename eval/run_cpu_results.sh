@@ -51,7 +51,7 @@ for model in ${models[@]}; do
                 budget=128,profile=online budget=256,rerank_warmup=16 budget=128,rerank_warmup=16 -- --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
-                --tasks passkey niah_single_1 --lengths 8192 --limit 10 --max-new-tokens 24
+                --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/lcc-8k" 1024 512 budget=1024,rerank_warmup=16 \
                 budget=512,rerank_warmup=16 -- --suite lcc \
                 --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24
@@ -61,13 +61,14 @@ for model in ${models[@]}; do
             eval_rows gemma3 "$root/gemma3/synthetic-8k" 1024 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 5 --max-new-tokens 24
             ;;
-        levers)  # SmolLM2, one budget: each option of the page selection on its own and combined
+        levers)  # SmolLM2, one budget: each option of the page selection on its own and combined; perplexity also
+            # with the oracle among the top 2K pages by the box scores (the ceiling of an exact second stage)
             levers=(spread_weight=1.0,principal_bounds=false principal_bounds=false spread_weight=1.0 page_size=8
                     group_reduce=sum rerank_interval=1 rerank_warmup=16)
             echo "+ levers: ppl"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
-                --oracle --method "${levers[@]/#/budget=192,}" --out "$root/levers/ppl-1.5k"
+                --oracle --oracle-candidates 2 --method "${levers[@]/#/budget=192,}" --out "$root/levers/ppl-1.5k"
             echo "+ levers: niah_single_1 4k"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite synthetic \
                 --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 --oracle \

@@ -69,6 +69,20 @@ def test_oracles_bound_the_cache_selection_and_the_pages_are_whole(trace) -> Non
     assert bool(mask[:, :4].all()) and bool(mask[:, -1].all())  # sink and tail pages
 
 
+def test_refined_selection_lies_between_flexicaches_and_the_oracles(trace) -> None:
+    """Refining the box scores' top 2K pages by true mass keeps at least FlexiCache's mass (its K pages are among
+    the candidates) and at most the oracle pages'; with every page a candidate it is the oracle pages."""
+    settings = FlexiCacheConfig(token_budget=16, page_size=4)
+    result = evaluate(trace, {"flexicache": selectors.flexicache(settings), "oracle": selectors.oracle_pages(16, 4),
+                              "refined": selectors.refined(settings, 2), "all": selectors.refined(settings, 100)})
+    assert bool((result["refined"].recall >= result["flexicache"].recall - 1e-12).all())
+    assert bool((result["oracle"].recall >= result["refined"].recall - 1e-12).all())
+    assert bool((result["refined"].recall > result["flexicache"].recall + 1e-6).any())
+    torch.testing.assert_close(result["all"].recall, result["oracle"].recall, rtol=0, atol=1e-12)
+    mask = selectors.refined(settings, 2)(step_view(trace, 5))
+    assert bool((mask.sum(-1) <= 16).all()) and bool(mask[:, :4].all()) and bool(mask[:, -1].all())
+
+
 def test_diagnose_writes_json_and_plots(trace, tmp_path) -> None:
     settings = FlexiCacheConfig(token_budget=16, page_size=4)
     result = diagnose(trace, settings, [16, 32], range(0, 12, 3), progress=False)
@@ -76,7 +90,7 @@ def test_diagnose_writes_json_and_plots(trace, tmp_path) -> None:
     stored = json.loads((tmp_path / "diagnosis.json").read_text())
     assert set(stored["budgets"]) == {"16", "32"}
     row = stored["budgets"]["16"]
-    assert set(row) == {"flexicache", "quest", "oracle_pages", "oracle_tokens"}
+    assert set(row) == {"flexicache", "refined_2x", "quest", "oracle_pages", "oracle_tokens"}
     assert len(row["flexicache"]["recall_by_head"]) == 2 and len(row["flexicache"]["recall_by_head"][0]) == 2
     assert stored["budgets"]["32"]["oracle_pages"]["recall"] >= row["oracle_pages"]["recall"]
     quest = evaluate(trace, {"q": selectors.flexicache(dataclasses.replace(settings, spread_weight=1.0,

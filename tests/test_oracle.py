@@ -4,7 +4,16 @@ budget, a padded batch equal to each request alone, and the decode output of an 
 from __future__ import annotations
 
 import torch
-from conftest import dense_cache, greedy, left_pad, masked_attention, random_prompt, tiny_config, tiny_model
+from conftest import (
+    dense_cache,
+    greedy,
+    left_pad,
+    masked_attention,
+    mixed_profile,
+    random_prompt,
+    tiny_config,
+    tiny_model,
+)
 
 import flexicache
 from flexicache.oracle import OracleCache, oracle_token_mask
@@ -74,6 +83,45 @@ def test_oracle_decode_equals_attention_over_the_true_top_pages() -> None:
         tokens = [t for page in sorted({0, 7, *best}) for t in range(4 * page, min(4 * page + 4, 31))]
         expected = masked_attention(group, all_keys[head, tokens], all_values[head, tokens], 0.3)
         torch.testing.assert_close(output[2 * head : 2 * head + 2], expected, rtol=0, atol=1e-12)
+
+
+def test_candidate_mask_restricts_the_oracle_choice() -> None:
+    weights = torch.zeros(1, 1, 12)
+    weights[0, 0, [6, 7]] = 0.5  # page 3: most mass, but not a candidate
+    weights[0, 0, [4, 5]] = 0.2  # page 2
+    weights[0, 0, 8] = 0.1  # page 4
+    candidates = torch.tensor([[True, True, True, False, True, True]])
+    mask = oracle_token_mask(weights, page_size=2, pages=4, candidates=candidates)
+    assert mask[0].view(6, 2).all(1).tolist() == [True, False, True, False, True, True]
+
+
+def test_two_stage_oracle_lies_between_flexicaches_pages_and_the_oracles() -> None:
+    """With candidates the oracle attends to pages among the top n x K by the box scores: at n = 1 exactly
+    FlexiCache's selection (every head reranked every step), with every page a candidate the plain oracle; a
+    covering budget generates DynamicCache's tokens, a left-padded batch each request's alone."""
+    config = tiny_config(group=2, num_kv_heads=2, num_layers=1)
+    model = tiny_model(config, seed=2).to(torch.float64)
+    model.set_attn_implementation("flexicache")
+    ids = random_prompt(60, seed=8).view(1, -1)
+    reference = greedy(model, ids, dense_cache(model), max_new_tokens=6)
+    assert torch.equal(greedy(model, ids, OracleCache(config, token_budget=64, page_size=4, candidates=2),
+                              max_new_tokens=6), reference)
+    unstable = mixed_profile(config)  # one layer: all its heads unstable (rerank every step)
+    flexi = greedy(model, ids, flexicache.FlexiCache(config, profile=unstable, token_budget=12, page_size=4),
+                   max_new_tokens=6)
+    assert torch.equal(greedy(model, ids, OracleCache(config, token_budget=12, page_size=4, candidates=1),
+                              max_new_tokens=6), flexi)
+    assert torch.equal(greedy(model, ids, OracleCache(config, token_budget=12, page_size=4, candidates=100),
+                              max_new_tokens=6), greedy(model, ids, OracleCache(config, token_budget=12, page_size=4),
+                                                        max_new_tokens=6))
+    prompts = [random_prompt(41, seed=5), random_prompt(26, seed=6)]
+    padded, mask = left_pad(prompts)
+    batch = greedy(model, padded, OracleCache(config, token_budget=12, page_size=4, candidates=2), mask,
+                   max_new_tokens=5)
+    for row, prompt in enumerate(prompts):
+        alone = greedy(model, prompt.view(1, -1), OracleCache(config, token_budget=12, page_size=4, candidates=2),
+                       max_new_tokens=5)
+        assert torch.equal(batch[row, -5:], alone[0, -5:])
 
 
 def test_oracle_keeps_the_windows_of_a_hybrid_model() -> None:

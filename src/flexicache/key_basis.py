@@ -5,8 +5,10 @@ A page's score comes from the element-wise min/max box of its keys. ``q . k`` is
 dimensions, and a box aligned with them is loose; in the principal axes of the head's keys most of the spread sits
 in a few axes and the box is tight in all others, so box scores rank pages closer to their true attention. The
 basis of every (request, KV head) is taken once, from the real keys of the request's first chunk (the prompt; a cache
-whose first chunk is a single token keeps the model's axes), and kept: boxes of later tokens are folded in the same axes, and a query is turned into them before scoring. Attention
-itself reads the stored keys and the query as they are.
+whose first chunk is a single token keeps the model's axes), and kept: boxes of later tokens are folded in the same
+axes, and a query is turned into them before scoring. Attention itself reads the stored keys and the query as they
+are. The axes are eigenvectors of each row's key covariance (:func:`symmetric_eigenvectors`: ``eigh`` on the CPU, a
+batched approximate SVD on CUDA).
 
 Shapes: ``B`` requests, ``H`` KV heads, ``D`` head dim; ``R`` (``[B, H, D, D]``, float32, float64 for float64 keys)
 holds each row's axes as columns.

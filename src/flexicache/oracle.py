@@ -8,6 +8,10 @@ over each request's real tokens, as FlexiCache cuts them, so left padding does n
 (prefill is dense), so the harness can put an oracle row beside dense and FlexiCache at every budget. In a model
 that mixes layer types, the layers FlexiCache pages get the oracle selection and sliding-window layers keep their
 window, as in a FlexiCache.
+
+With ``candidates = n > 0`` the oracle only chooses among the top ``n * K`` pages by FlexiCache's box scores (its
+default page scores, in the principal axes of the prompt's keys): the ceiling of a two-stage selection that scores
+those candidates' keys exactly (reading ``n * K`` pages of keys per step) and keeps the K with the most mass.
 """
 
 from __future__ import annotations
@@ -21,17 +25,22 @@ from transformers.cache_utils import Cache, DynamicLayer
 from flexicache import handoff
 from flexicache.config import FlexiCacheConfig
 from flexicache.hybrid import layer_kinds
+from flexicache.key_basis import KeyBasis
+from flexicache.profiling.pages import page_bounds
+from flexicache.selection import quest_page_scores, select_pages
 from flexicache.sliding import SlidingWindowLayer
 
 
 class OracleLayer(DynamicLayer):
     """A ``DynamicLayer`` whose decode attends to its oracle pages (see the module docstring)."""
 
-    def __init__(self, layer_idx: int, settings: FlexiCacheConfig) -> None:
+    def __init__(self, layer_idx: int, settings: FlexiCacheConfig, candidates: int = 0) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.settings = settings
+        self.candidates = candidates
         self.valid: torch.Tensor | None = None  # [B, T] bool: which cached positions hold real tokens
+        self.basis: KeyBasis | None = None  # with candidates: the principal axes of the prompt's keys
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,11 +54,13 @@ class OracleLayer(DynamicLayer):
         """A chunk of several tokens (dense attention): record which of them are real (``real_tokens [B, T]``)."""
         batch_size, _, length, _ = chunk.keys.shape
         real = torch.ones(batch_size, length, dtype=torch.bool) if real_tokens is None else real_tokens.cpu()
+        if self.candidates and self.valid is None:
+            self.basis = KeyBasis.principal_axes(chunk.keys.detach(), real)
         self.valid = real if self.valid is None else torch.cat([self.valid, real], dim=1)
 
     def reset(self) -> None:
         super().reset()
-        self.valid = None
+        self.valid = self.basis = None
 
     def crop(self, max_length: int) -> None:
         super().crop(max_length)
@@ -58,10 +69,14 @@ class OracleLayer(DynamicLayer):
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         self.valid = self.valid.repeat_interleave(repeats, dim=0)
+        if self.basis is not None:
+            self.basis = KeyBasis(self.basis.matrix.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         self.valid = self.valid[indices.cpu()]
+        if self.basis is not None:
+            self.basis = self.basis.select(indices)
 
     def decode(self, chunk: handoff.StagedChunk, query: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of ``query [B, Hq, 1, D]`` over each row's oracle pages; ``[B, 1, Hq, D]``."""
@@ -76,23 +91,41 @@ class OracleLayer(DynamicLayer):
         compute_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
         keys = self.keys[request][:, real].to(compute_dtype)  # [H, N, D]
         values = self.values[request][:, real].to(compute_dtype)
-        num_heads, num_tokens, head_dim = keys.shape
+        num_heads, _, head_dim = keys.shape
         grouped = query.to(compute_dtype).view(num_heads, -1, head_dim)  # [H, G, D]
         logits = torch.bmm(grouped, keys.transpose(1, 2)) * scale  # [H, G, N]
-        mask = oracle_token_mask(logits.softmax(-1), self.settings.page_size, self.settings.pages_per_head)
+        candidates = None if not self.candidates else self._candidate_pages(grouped, keys, request)
+        mask = oracle_token_mask(logits.softmax(-1), self.settings.page_size, self.settings.pages_per_head,
+                                 candidates)
         weights = logits.masked_fill(~mask.unsqueeze(1), float("-inf")).softmax(-1)
         return torch.bmm(weights, values).view(-1, head_dim)
 
+    def _candidate_pages(self, grouped: torch.Tensor, keys: torch.Tensor, request: int) -> torch.Tensor:
+        """``[H, P]`` bool: the top ``candidates * K`` pages of each head of ``request`` by FlexiCache's box scores
+        (sink and tail forced), for its queries ``grouped [H, G, D]`` and real keys ``keys [H, N, D]``."""
+        settings = self.settings
+        basis = self.basis.select(torch.tensor([request]))
+        kmin, kmax = page_bounds(basis.chunk(keys.unsqueeze(0))[0], settings.page_size)
+        scores = quest_page_scores(basis.rows(grouped), kmin, kmax, settings.group_reduce, settings.spread_weight)
+        counts = torch.full((scores.shape[0],), scores.shape[1], dtype=torch.long, device=scores.device)
+        pages, _ = select_pages(scores, counts, self.candidates * settings.pages_per_head, force_last=True)
+        chosen = torch.zeros(scores.shape[0], scores.shape[1] + 1, dtype=torch.bool, device=scores.device)
+        return chosen.scatter_(1, pages.masked_fill(pages < 0, scores.shape[1]), True)[:, :-1]
 
-def oracle_token_mask(weights: torch.Tensor, page_size: int, pages: int) -> torch.Tensor:
+
+def oracle_token_mask(weights: torch.Tensor, page_size: int, pages: int, candidates: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """``[R, T]`` bool: the tokens of the top ``pages`` pages of every row by attention mass summed over the group
-    (``weights [R, G, T]``), sink and tail pages forced; every token when the row has at most ``pages`` pages."""
+    (``weights [R, G, T]``), sink and tail pages forced, among the pages ``candidates [R, P]`` (bool; ``None``:
+    all); every token when the row has at most ``pages`` pages."""
     rows, _, num_tokens = weights.shape
     num_pages = -(-num_tokens // page_size)
     if num_pages <= pages:
         return torch.ones(rows, num_tokens, dtype=torch.bool, device=weights.device)
     padded = torch.nn.functional.pad(weights.sum(1), (0, num_pages * page_size - num_tokens))
     mass = padded.view(rows, num_pages, page_size).sum(-1)
+    if candidates is not None:
+        mass = mass.masked_fill(~candidates, -1.0)
     mass[:, 0] = mass[:, -1] = float("inf")
     top = mass.topk(pages, dim=1).indices
     chosen = torch.zeros(rows, num_pages, dtype=torch.bool, device=weights.device).scatter_(1, top, True)
@@ -104,12 +137,16 @@ class OracleCache(DynamicCache):
     every decode step reads every key.
 
     Args:
-        config: the model's config; token_budget, page_size: as :class:`~flexicache.FlexiCacheConfig`'s.
+        config: the model's config; token_budget, page_size: as :class:`~flexicache.FlexiCacheConfig`'s;
+        candidates: ``n > 0`` restricts the choice to the top ``n * K`` pages by FlexiCache's box scores (see the
+            module docstring); 0: every page.
     """
 
-    def __init__(self, config: Any, token_budget: int = 2048, page_size: int = 16) -> None:
+    def __init__(self, config: Any, token_budget: int = 2048, page_size: int = 16, candidates: int = 0) -> None:
+        if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 0:
+            raise ValueError(f"candidates must be an int >= 0 (0: every page a candidate), got {candidates!r}")
         settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size)
-        layers = [OracleLayer(index, settings) if kind.sparse else SlidingWindowLayer(index, kind.window)
+        layers = [OracleLayer(index, settings, candidates) if kind.sparse else SlidingWindowLayer(index, kind.window)
                   for index, kind in enumerate(layer_kinds(config))]
         Cache.__init__(self, layers=layers)
         self.settings = settings

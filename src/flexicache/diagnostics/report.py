@@ -1,6 +1,7 @@
 """Recall and output error of page selections over a budget sweep, as JSON and PNG plots.
 
-For every budget: FlexiCache's selection with the given settings, Quest's bound (``spread_weight=1`` in the model's
+For every budget: FlexiCache's selection with the given settings, the same refined by the true mass of twice as
+many candidate pages (:func:`~flexicache.diagnostics.selectors.refined`), Quest's bound (``spread_weight=1`` in the model's
 axes) with the same page size, the oracle pages and the oracle tokens; per (layer, KV head) the mean over the traced steps of the
 attention mass kept (recall) and of the attention output's relative error.
 """
@@ -26,6 +27,7 @@ def selections(settings: FlexiCacheConfig) -> dict[str, Selector]:
     budget, page_size = settings.token_budget, settings.page_size
     return {
         "flexicache": selectors.flexicache(settings),
+        "refined_2x": selectors.refined(settings, candidates=2),
         "quest": selectors.flexicache(dataclasses.replace(settings, spread_weight=1.0, principal_bounds=False)),
         "oracle_pages": selectors.oracle_pages(budget, page_size),
         "oracle_tokens": selectors.oracle_tokens(budget),
@@ -83,7 +85,7 @@ def write(result: dict[str, Any], out: str | Path) -> list[Path]:
     figure.savefig(paths[-1], dpi=100)
     plt.close(figure)
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for name in ("flexicache", "quest", "oracle_pages", "oracle_tokens"):
+    for name in ("flexicache", "refined_2x", "quest", "oracle_pages", "oracle_tokens"):
         left.plot([int(b) for b in budgets], [result["budgets"][b][name]["recall"] for b in budgets], "o-",
                   label=name)
         right.plot([int(b) for b in budgets], [result["budgets"][b][name]["output_error"] for b in budgets], "o-",
@@ -103,7 +105,7 @@ def write(result: dict[str, Any], out: str | Path) -> list[Path]:
 
 def format_table(result: dict[str, Any]) -> str:
     """A markdown table: one row per budget, recall / output error of each selection."""
-    names = ("flexicache", "quest", "oracle_pages", "oracle_tokens")
+    names = ("flexicache", "refined_2x", "quest", "oracle_pages", "oracle_tokens")
     lines = ["| budget | " + " | ".join(f"{name} recall / error" for name in names) + " |",
              "|---" * (len(names) + 1) + "|"]
     for budget in sorted(result["budgets"], key=int):

@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oracle", action="store_true",
                         help="also an oracle row per --budget: the pages holding the most true attention mass at "
                              "every step (reads every key; the ceiling of page-granular top-K at that budget)")
+    parser.add_argument("--oracle-candidates", type=int, nargs="*", default=[], metavar="N",
+                        help="also per --budget and N an oracle row choosing among the top N x K pages by "
+                             "FlexiCache's box scores (the ceiling of scoring those candidates' keys exactly)")
     parser.add_argument("--profile", help="HeadProfile JSON, 'online' (each prompt's own estimate) or 'default' "
                                           "(default: the shipped one for smollm2, else HeadProfile.default)")
     parser.add_argument("--page-size", type=int, default=16)
@@ -128,6 +131,8 @@ def build_methods(model: Any, args: argparse.Namespace) -> list:
     methods = [DenseMethod(model)]
     if args.oracle:
         methods += [OracleMethod(model, budget, args.page_size) for budget in args.budget]
+    methods += [OracleMethod(model, budget, args.page_size, candidates) for candidates in args.oracle_candidates
+                for budget in args.budget]
     methods += [FlexiCacheMethod(model, {"token_budget": budget, **defaults}, load_profile(default_profile),
                                  default_profile) for budget in args.budget]
     methods += [parse_method(spec, model, defaults, load_profile, default_profile) for spec in args.method]

@@ -92,25 +92,31 @@ class FlexiCacheMethod:
 @dataclass(frozen=True, eq=False)
 class OracleMethod:
     """:class:`~flexicache.oracle.OracleCache` at ``token_budget`` and ``page_size``: every decode step attends to
-    the pages holding the most true attention mass, the ceiling of page-granular top-K (reads every key)."""
+    the pages holding the most true attention mass, the ceiling of page-granular top-K (reads every key); with
+    ``candidates = n``, the most among the top ``n * K`` pages by FlexiCache's box scores (a two-stage selection's
+    ceiling), named ``oracle@<budget>,candidates=<n>``."""
 
     model: Any
     token_budget: int
     page_size: int = 16
+    candidates: int = 0
     name: str = field(default="")
 
     def __post_init__(self) -> None:
         if not self.name:
-            object.__setattr__(self, "name", f"oracle@{self.token_budget}")
+            suffix = f",candidates={self.candidates}" if self.candidates else ""
+            object.__setattr__(self, "name", f"oracle@{self.token_budget}{suffix}")
 
     def make_cache(self) -> Any:
         from flexicache.oracle import OracleCache
 
-        return OracleCache(self.model.config, token_budget=self.token_budget, page_size=self.page_size)
+        return OracleCache(self.model.config, token_budget=self.token_budget, page_size=self.page_size,
+                           candidates=self.candidates)
 
     @property
     def settings(self) -> dict[str, Any]:
-        return {"kind": "oracle", "token_budget": self.token_budget, "page_size": self.page_size}
+        settings = {"kind": "oracle", "token_budget": self.token_budget, "page_size": self.page_size}
+        return {**settings, "candidates": self.candidates} if self.candidates else settings
 
 
 def parse_value(text: str) -> Any:
