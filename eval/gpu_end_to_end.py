@@ -9,7 +9,8 @@ On a random-weight model of a real shape (``--shape``, all its layers by default
 - ``FlexiCache.from_model(model, token_budget=...)`` (whole-step CUDA graphs), and the same for
   ``--long-tokens`` new tokens.
 
-FlexiCache runs without a profile (the library's default: each layer's head split estimated from the prompt). A
+FlexiCache runs without a profile (the library's default: each layer's head split estimated from the prompt;
+``--unstable-fraction F``: a random profile instead, ``--skip-dense``: only the FlexiCache rows). A
 stopping-criteria clock (the device synchronised) times every step: the first interval is prompt to first token
 (the prefill), the rest are decode steps (p50, p99 and p99/p50). Peak device memory is torch's allocator peak over
 the whole ``generate``. One untimed FlexiCache request at full size goes first: the first request of a process
@@ -17,7 +18,7 @@ page-locks its host tier (later ones borrow the pool's blocks), and every system
 ``generate`` (kernel JIT, CUDA-graph recording of the short shape).
 
 Usage: ``python eval/gpu_end_to_end.py [--shape llama-3.1-8b] [--layers N] [--context 32768] [--batch 8]
-[--budget 1024] [--new-tokens 128] [--long-tokens 2000] [--out r.json]``; ``--device cpu --shape tiny-llama
+[--budget 1024] [--new-tokens 128] [--long-tokens 2000 (0: none)] [--out r.json]``; ``--device cpu --shape tiny-llama
 --context 256 --batch 2 --budget 64 --new-tokens 4 --long-tokens 8`` is a smoke test.
 """
 
@@ -37,6 +38,7 @@ from transformers import DynamicCache, StoppingCriteriaList
 
 from flexicache import FlexiCache
 from flexicache.attention import ATTENTION_NAME
+from flexicache.benchmarks.attention import Shape, random_profile
 from flexicache.benchmarks.measure import StepClock, build_model, peak, random_ids, reset_peak, summarize, synchronize
 from flexicache.benchmarks.suite import MODEL_SHAPES, model_config
 from flexicache.models import cache_keyword
@@ -89,6 +91,9 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--long-tokens", type=int, default=2000)
+    parser.add_argument("--unstable-fraction", type=float, default=None,
+                        help="FlexiCache rows with a random profile of this share of unstable heads (default: none)")
+    parser.add_argument("--skip-dense", action="store_true", help="only the FlexiCache rows")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
@@ -100,27 +105,30 @@ def main() -> None:
     warm_ids = ids[:, : min(args.context, 1024)]
     print(f"{args.shape}, {config.num_hidden_layers} layers, batch {args.batch} x {args.context} tokens, budget "
           f"{args.budget}, {args.new_tokens} new tokens ({args.long_tokens} for the long run)", flush=True)
+    profile = None if args.unstable_fraction is None else random_profile(Shape.of(config), args.unstable_fraction)
+    settings = {"profile": profile, "token_budget": args.budget}
     start = time.perf_counter()
-    rows = [
+    rows = [] if args.skip_dense else [
         measure("DynamicCache + sdpa", model, ids, args.new_tokens, warm_ids,
                 lambda: {"cache": DynamicCache(config=config)}),
         measure('StaticCache (cache_implementation="static") + sdpa', model, ids, args.new_tokens, warm_ids,
                 lambda: {"cache_implementation": "static"}),
     ]
     model.set_attn_implementation(ATTENTION_NAME)
-    generate_steps(model, ids, 2, cache=FlexiCache(config=config, token_budget=args.budget))  # page-lock
+    generate_steps(model, ids, 2, cache=FlexiCache(config=config, **settings))  # page-locks the pool
     release(device)
     rows.append(measure("FlexiCache(config) on the flexicache attention", model, ids, args.new_tokens, warm_ids,
-                        lambda: {"cache": FlexiCache(config=config, token_budget=args.budget)}))
+                        lambda: {"cache": FlexiCache(config=config, **settings)}))
     rows.append(measure("FlexiCache.from_model(model) (whole-step graphs)", model, ids, args.new_tokens, warm_ids,
-                        lambda: {"cache": FlexiCache.from_model(model, token_budget=args.budget)}))
-    rows.append(measure(f"the same, {args.long_tokens} new tokens", model, ids, args.long_tokens, warm_ids,
-                        lambda: {"cache": FlexiCache.from_model(model, token_budget=args.budget)}))
+                        lambda: {"cache": FlexiCache.from_model(model, **settings)}))
+    if args.long_tokens:
+        rows.append(measure(f"the same, {args.long_tokens} new tokens", model, ids, args.long_tokens, warm_ids,
+                            lambda: {"cache": FlexiCache.from_model(model, **settings)}))
     print(f"total {time.perf_counter() - start:.0f} s", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({
             "shape": args.shape, "layers": config.num_hidden_layers, "context": args.context, "batch": args.batch,
-            "budget": args.budget, "profile": None, "torch": torch.__version__,
+            "budget": args.budget, "unstable_fraction": args.unstable_fraction, "torch": torch.__version__,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "rows": rows,
         }, indent=2))
 
