@@ -17,9 +17,10 @@ import json
 from pathlib import Path
 
 QUEST_SUFFIX = ",spread_weight=1.0,principal_bounds=False"
-# FlexiCache variants a folder may hold beside the defaults: (method suffix, column header)
-VARIANTS = ((",profile=online", "FlexiCache, head split from the prompt"),
-            (",rerank_warmup=16", "FlexiCache, `rerank_warmup=16`"))
+# rows a folder may hold beside the defaults: (method name at "{budget}", column header)
+VARIANTS = (("oracle@{budget},candidates=2", "oracle pages among FlexiCache's top 2K"),
+            ("flexicache@{budget},profile=online", "FlexiCache, head split from the prompt"),
+            ("flexicache@{budget},rerank_warmup=16", "FlexiCache, `rerank_warmup=16`"))
 
 
 def budgets_of(methods: list[str]) -> list[int]:
@@ -63,8 +64,8 @@ def table(folder: Path) -> str:
     metrics = json.loads((folder / "metrics.json").read_text())
     config = json.loads((folder / "config.json").read_text())
     budgets = budgets_of(metrics["methods"])
-    variants = [(suffix, header) for suffix, header in VARIANTS
-                if any(method.endswith(suffix) for method in metrics["methods"])]
+    variants = [(template, header) for template, header in VARIANTS
+                if any(template.format(budget=budget) in metrics["methods"] for budget in budgets)]
     lines = ["| task | budget | n | dense | oracle pages | FlexiCache | Quest's bound |"
              + "".join(f" {header} |" for _, header in variants),
              "|---|---|---|---|---|---|---|" + "---|" * len(variants)]
@@ -72,12 +73,11 @@ def table(folder: Path) -> str:
         lower = task["kind"] == "perplexity"
         for budget in budgets:
             flexi = f"flexicache@{budget}"
-            suffixes = ["", QUEST_SUFFIX] + [suffix for suffix, _ in variants]
+            methods = [f"oracle@{budget}", flexi, flexi + QUEST_SUFFIX] + [t.format(budget=budget) for t, _ in variants]
             lines.append(" | ".join([
                 f"| {name}", f"{budget}", str(task["n"].get(flexi, "-")), cell(task, "dense", lower),
-                cell(task, f"oracle@{budget}", lower), *(cell(task, flexi + suffix, lower) for suffix in suffixes)])
-                + " |")
-    fidelity = [fidelity_row(name, task, budget, [""] + [suffix for suffix, _ in variants])
+                *(cell(task, method, lower) for method in methods)]) + " |")
+    fidelity = [fidelity_row(name, task, budget, [template for template, _ in variants])
                 for name, task in metrics["tasks"].items() if task.get("fidelity") for budget in budgets]
     if fidelity:
         lines += ["", "Outputs identical to dense's (share of samples; ROUGE-L against dense's outputs):", "",
@@ -87,10 +87,11 @@ def table(folder: Path) -> str:
     return "\n".join(lines) + f"\n\n`{command_of(config)}`"
 
 
-def fidelity_row(name: str, task: dict, budget: int, suffixes: list[str]) -> str:
-    """``identical (ROUGE-L)`` against dense of the oracle, FlexiCache, Quest's bound and the variants at ``budget``."""
-    methods = [f"oracle@{budget}"] + [f"flexicache@{budget}{suffix}" for suffix in (suffixes[0], QUEST_SUFFIX,
-                                                                                      *suffixes[1:])]
+def fidelity_row(name: str, task: dict, budget: int, variants: list[str]) -> str:
+    """``identical (ROUGE-L)`` against dense of the oracle, FlexiCache, Quest's bound and the ``variants`` (method
+    names at ``{budget}``) at ``budget``."""
+    methods = [f"oracle@{budget}", f"flexicache@{budget}", f"flexicache@{budget}{QUEST_SUFFIX}",
+               *(variant.format(budget=budget) for variant in variants)]
     cells = []
     for method in methods:
         entry = task["fidelity"].get(method)
