@@ -104,9 +104,11 @@ class OracleLayer(DynamicLayer):
         """``[H, P]`` bool: the top ``candidates * K`` pages of each head of ``request`` by FlexiCache's box scores
         (sink and tail forced), for its queries ``grouped [H, G, D]`` and real keys ``keys [H, N, D]``."""
         settings = self.settings
-        basis = self.basis.select(torch.tensor([request]))
-        kmin, kmax = page_bounds(basis.chunk(keys.unsqueeze(0))[0], settings.page_size)
-        scores = quest_page_scores(basis.rows(grouped), kmin, kmax, settings.group_reduce, settings.spread_weight)
+        if self.basis is not None:  # None: a cache started token by token keeps the model's axes, as FlexiCache
+            basis = self.basis.select(torch.tensor([request]))
+            keys, grouped = basis.chunk(keys.unsqueeze(0))[0], basis.rows(grouped)
+        kmin, kmax = page_bounds(keys, settings.page_size)
+        scores = quest_page_scores(grouped, kmin, kmax, settings.group_reduce, settings.spread_weight)
         counts = torch.full((scores.shape[0],), scores.shape[1], dtype=torch.long, device=scores.device)
         pages, _ = select_pages(scores, counts, self.candidates * settings.pages_per_head, force_last=True)
         chosen = torch.zeros(scores.shape[0], scores.shape[1] + 1, dtype=torch.bool, device=scores.device)
