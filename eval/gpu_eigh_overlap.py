@@ -9,8 +9,9 @@ back), and by ``torch.linalg.svd`` with cuSOLVER's batched drivers (the SVD of a
 matrix is its eigendecomposition), with their orthonormality and agreement with ``eigh``'s axes.
 
 With ``--keys FILE`` it also compares, on real prompt keys, the page boxes in ``eigh``'s axes with those in
-:func:`flexicache.key_basis.symmetric_eigenvectors`'s (the fast CUDA basis): the mean width of a 16-token page's box
-(``|max - min|`` over the axes) in each, and in the model's axes. The keys come from a real model on the CPU
+:func:`flexicache.key_basis.symmetric_eigenvectors`'s (the fast CUDA basis) and in the model's axes: the summed
+width of a 16-token page's box, and the share of the top-16 pages of 64 probe queries that each basis shares with
+``eigh``'s. The keys come from a real model on the CPU
 (``--save-keys FILE``: SmolLM2's prompt keys over 2k tokens of the standard library's source, every other layer).
 
 Usage: ``python eval/gpu_eigh_overlap.py [--work 32] [--keys keys.pt] [--out r.json]``;
@@ -29,7 +30,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from flexicache.config import FlexiCacheConfig
 from flexicache.key_basis import symmetric_eigenvectors
+from flexicache.selection import box_scores
 
 
 def seconds(run: Callable[[], None], repeats: int = 3) -> float:
@@ -63,27 +66,49 @@ def save_prompt_keys(path: str, tokens: int = 2048) -> None:
 
 
 def page_box_widths(keys: torch.Tensor, axes: torch.Tensor, page_size: int = 16) -> torch.Tensor:
-    """Mean ``|max - min|`` of the 16-token page boxes of ``keys [N, T, D]`` in ``axes [N, D, D]``, per row ``[N]``."""
+    """Mean summed width ``sum_d (max - min)`` (what a page score's ``|q| . radius`` weighs) of the 16-token page
+    boxes of ``keys [N, T, D]`` in ``axes [N, D, D]``, per row ``[N]``."""
     rotated = torch.bmm(keys, axes)
     pages = rotated[:, : rotated.shape[1] // page_size * page_size].unflatten(1, (-1, page_size))
-    return (pages.amax(2) - pages.amin(2)).norm(dim=-1).mean(1)
+    return (pages.amax(2) - pages.amin(2)).sum(-1).mean(1)
+
+
+def top_pages(keys: torch.Tensor, axes: torch.Tensor, queries: torch.Tensor, k: int, page_size: int = 16
+              ) -> torch.Tensor:
+    """``[N, Q, P]`` bool: each query's top ``k`` pages by FlexiCache's box scores in ``axes``."""
+    rotated = torch.bmm(keys, axes)
+    pages = rotated[:, : rotated.shape[1] // page_size * page_size].unflatten(1, (-1, page_size))
+    kmin, kmax = pages.amin(2), pages.amax(2)
+    scores = box_scores(torch.bmm(queries, axes), kmin, kmax, FlexiCacheConfig.spread_weight)
+    top = scores.topk(k, dim=-1).indices
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True)
 
 
 def real_key_axes(path: str) -> dict[str, float]:
-    """The fast CUDA basis against ``eigh``'s on the real keys saved in ``path`` (page box widths, orthonormality)."""
+    """The fast CUDA basis against ``eigh``'s on the real keys saved in ``path``: orthonormality, page box widths
+    and how many of the top-16 pages of 64 probe queries (keys of the same row, a stand-in for the model's queries)
+    the two bases share; the model's axes beside them."""
     keys = torch.load(path).cuda().float().flatten(0, 1)
     centred = keys - keys.mean(1, keepdim=True)
     covariance = torch.bmm(centred.mT, centred)
     exact = torch.linalg.eigh(covariance).eigenvectors
     fast = symmetric_eigenvectors(covariance)
     identity = torch.eye(keys.shape[-1], device="cuda")
-    exact_widths, fast_widths = page_box_widths(keys, exact), page_box_widths(keys, fast)
-    ratio = fast_widths / exact_widths
+    model_axes = identity.expand_as(exact)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    probes = keys[:, torch.randint(0, keys.shape[1], (64,), generator=generator, device="cuda")]
+    exact_top = top_pages(keys, exact, probes, 16)
+    exact_widths = page_box_widths(keys, exact)
+
+    def shared(axes: torch.Tensor) -> float:
+        return float((top_pages(keys, axes, probes, 16) & exact_top).sum() / exact_top.sum())
+
     return {"rows": keys.shape[0], "tokens": keys.shape[1], "head_dim": keys.shape[2],
             "fast_orthonormality_error": (torch.bmm(fast.mT, fast) - identity).abs().max().item(),
-            "box_width_fast_over_eigh_mean": ratio.mean().item(), "box_width_fast_over_eigh_max": ratio.max().item(),
-            "box_width_model_axes_over_eigh_mean": (page_box_widths(keys, identity.expand_as(exact))
-                                                    / exact_widths).mean().item(),
+            "box_width_fast_over_eigh": (page_box_widths(keys, fast) / exact_widths).mean().item(),
+            "box_width_model_axes_over_eigh": (page_box_widths(keys, model_axes) / exact_widths).mean().item(),
+            "top16_pages_shared_with_eigh_fast": shared(fast),
+            "top16_pages_shared_with_eigh_model_axes": shared(model_axes),
             "fast_s": seconds(lambda: symmetric_eigenvectors(covariance)),
             "eigh_s": seconds(lambda: torch.linalg.eigh(covariance))}
 
@@ -161,7 +186,7 @@ def main() -> None:
             vectors = torch.linalg.svd(matrices, driver=driver).U
             eye = torch.eye(128, device="cuda")
             row[f"svd_{driver}_orthonormality_error"] = (vectors.mT @ vectors - eye).abs().max().item()
-            # the same axes up to sign and order: each svd axis has one eigh axis it equals
+            # the same axes up to sign and order: each eigh axis has one svd axis it equals
             row[f"svd_{driver}_min_best_match"] = (axes.mT @ vectors).abs().amax(1).min().item()
         row["fast_basis_s"] = seconds(lambda m=matrices: symmetric_eigenvectors(m))
         result[f"one_batch_of_64, spectrum {spectrum}"] = row

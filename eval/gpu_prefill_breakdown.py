@@ -4,7 +4,8 @@ Runs the prompt forward (``--batch`` random prompts of ``--context`` tokens, the
 a DynamicCache on sdpa and with ``FlexiCache.from_model`` (``--repeats`` times each: the first FlexiCache prefill
 registers the host tiers' page-locked memory, the later ones borrow it from the pool), and then once more with a
 synchronising timer around each part of FlexiCache's commit of a prompt chunk: the dense attention (sdpa), the
-page metadata (min/max boxes), the principal axes of the boxes, the online head split (``--online-split``: no
+page metadata (min/max boxes), the principal axes of the boxes (and their eigendecompositions; ``--eigh``: by
+``torch.linalg.eigh``, in place of the fast batched basis), the online head split (``--online-split``: no
 profile, the library's default), the unstable heads' pages, the stable heads' host tier and tails, the first rerank
 of the stable heads, and the cache's own ``update`` (staging, read-back). The
 timed run synchronises before and after every part, so its total is above the untimed prefill's; the parts say
@@ -107,10 +108,14 @@ def main() -> None:
                              "(the library's default)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-principal-bounds", action="store_true", help="boxes in the model's axes")
+    parser.add_argument("--eigh", action="store_true",
+                        help="the principal axes by torch.linalg.eigh on the GPU (in place of the fast basis)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.eigh:
+        key_basis.symmetric_eigenvectors = lambda matrices: torch.linalg.eigh(matrices).eigenvectors
     config = model_config(args.shape, args.layers)
     model = build_model(config, device, torch.bfloat16, seed=0)
     profile = None if args.online_split else random_profile(Shape.of(config), args.unstable_fraction)
@@ -143,6 +148,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({
             "shape": args.shape, "layers": args.layers, "context": args.context, "batch": args.batch,
             "budget": args.budget, "principal_bounds": settings["principal_bounds"],
+            "eigendecompositions": "torch.linalg.eigh" if args.eigh else "key_basis.symmetric_eigenvectors",
             "head_split": "online" if args.online_split else f"random, {args.unstable_fraction} unstable",
             "dynamic_cache_s": dense, "flexicache_s": flexi,
             "timed_total_s": timed_total, "parts_s": {label.strip(): totals[label] for label, _, _ in PARTS},

@@ -52,14 +52,15 @@ def test_the_fast_cuda_basis_is_orthonormal_and_as_tight_as_eighs(dtype: torch.d
     covariances = torch.cat([keys.mT @ keys, short.mT @ short, torch.zeros(1, 128, 128, device="cuda", dtype=dtype)])
     fast = symmetric_eigenvectors(covariances)
     identity = torch.eye(128, device="cuda", dtype=dtype)
-    assert float((fast.mT @ fast - identity).abs().max()) <= ORTHONORMAL_TOLERANCE
+    assert float((fast.mT @ fast - identity).abs().max()) <= (1e-5 if dtype == torch.float32 else ORTHONORMAL_TOLERANCE)
     exact = torch.linalg.eigh(covariances[:64]).eigenvectors
 
-    def widths(axes: torch.Tensor) -> torch.Tensor:
+    def widths(axes: torch.Tensor) -> torch.Tensor:  # the summed box widths: what |q| . radius weighs
         pages = torch.bmm(keys, axes).unflatten(1, (64, 16))
-        return (pages.amax(2) - pages.amin(2)).norm(dim=-1).mean()
+        return (pages.amax(2) - pages.amin(2)).sum(-1).mean()
 
     torch.testing.assert_close(widths(fast[:64]), widths(exact), rtol=1e-3, atol=0)
+    assert float(widths(exact)) < 0.6 * float(widths(identity.expand(64, 128, 128)))  # the axes matter here
 
 
 def test_scores_are_the_box_scores_of_the_turned_keys_and_turning_keeps_dot_products() -> None:

@@ -16,33 +16,40 @@ holds each row's axes as columns.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-
-ORTHONORMAL_TOLERANCE = 1e-4  # max |R^T R - I| of a fast CUDA basis; a row above it is solved by eigh instead
+ORTHONORMAL_TOLERANCE = 1e-6  # max |R^T R - I| of a fast CUDA basis; a matrix above it is solved by eigh instead
 
 
 def symmetric_eigenvectors(matrices: torch.Tensor) -> torch.Tensor:
     """An orthonormal basis of eigenvectors (columns, in no set order) of positive semi-definite ``matrices [N, D, D]``.
 
-    On the CPU, ``torch.linalg.eigh``. On CUDA, cuSOLVER's batched approximate SVD (``gesvda``; the SVD of such a
-    matrix is its eigendecomposition), made orthonormal by three Newton-Schulz steps: 64 matrices of ``128 x 128``
-    in ~1.4 ms where ``eigh`` solves them one after another in 40-110 ms on an H200 (``eval/gpu_eigh_overlap.py``).
-    Its axes of large variance agree with ``eigh``'s, those of tiny variance (which barely widen a box) may mix;
-    a matrix whose basis stays above :data:`ORTHONORMAL_TOLERANCE` (rank-deficient ones) is solved by ``eigh``.
+    On the CPU (and on ROCm), ``torch.linalg.eigh``. On CUDA, cuSOLVER's batched approximate SVD (``gesvda``; the
+    SVD of such a matrix is its eigendecomposition), made orthonormal by four Newton-Schulz steps in float64 (exact
+    whatever the TF32 setting): 64 matrices of ``128 x 128`` in ~2 ms, where ``eigh`` solves them one after another
+    in 35-110 ms on an H200 (``eval/gpu_eigh_overlap.py``, ``eval/gpu_prefill_breakdown.py --eigh``). Its axes of
+    large variance agree with ``eigh``'s, those of tiny variance (which barely widen a box) may mix. A matrix whose
+    basis stays above :data:`ORTHONORMAL_TOLERANCE` (a rank-deficient one) is solved by ``eigh``, and if ``gesvda``
+    does not converge the whole batch is. Syncs with the host (torch's checks of ``gesvda`` and the fallback's):
+    it runs once per layer, at its first chunk, never inside a CUDA graph.
     """
-    if matrices.device.type != "cuda":
+    if matrices.device.type != "cuda" or torch.version.hip is not None:
         return torch.linalg.eigh(matrices).eigenvectors
     try:
-        vectors = torch.linalg.svd(matrices, full_matrices=False, driver="gesvda").U
+        with warnings.catch_warnings():  # torch's advice to try another driver: the fallback below is that
+            warnings.simplefilter("ignore")
+            vectors = torch.linalg.svd(matrices, full_matrices=False, driver="gesvda").U.double()
     except RuntimeError:  # did not converge
         return torch.linalg.eigh(matrices).eigenvectors
-    identity = torch.eye(matrices.shape[-1], dtype=matrices.dtype, device=matrices.device)
-    for _ in range(3):  # X <- X (3 I - X^T X) / 2: to the nearest orthonormal matrix, quadratically
+    identity = torch.eye(matrices.shape[-1], dtype=torch.float64, device=matrices.device)
+    for _ in range(4):  # X <- X (3 I - X^T X) / 2: to the nearest orthonormal matrix, quadratically
         vectors = torch.bmm(vectors, 1.5 * identity - 0.5 * torch.bmm(vectors.mT, vectors))
     error = (torch.bmm(vectors.mT, vectors) - identity).abs().amax(dim=(1, 2))
+    vectors = vectors.to(matrices.dtype)
     failed = (~(error <= ORTHONORMAL_TOLERANCE)).nonzero().flatten()  # NaN fails too
-    if failed.numel():  # one host sync per call: once per layer, at its first chunk
+    if failed.numel():
         vectors[failed] = torch.linalg.eigh(matrices[failed]).eigenvectors
     return vectors
 

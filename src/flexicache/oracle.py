@@ -54,7 +54,7 @@ class OracleLayer(DynamicLayer):
         """A chunk of several tokens (dense attention): record which of them are real (``real_tokens [B, T]``)."""
         batch_size, _, length, _ = chunk.keys.shape
         real = torch.ones(batch_size, length, dtype=torch.bool) if real_tokens is None else real_tokens.cpu()
-        if self.candidates and self.valid is None:
+        if self.candidates and self.valid is None and length > 1:  # a first single token keeps the model's axes
             self.basis = KeyBasis.principal_axes(chunk.keys.detach(), real)
         self.valid = real if self.valid is None else torch.cat([self.valid, real], dim=1)
 

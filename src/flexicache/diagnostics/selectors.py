@@ -55,6 +55,8 @@ def refined(settings: FlexiCacheConfig, candidates: int = 2) -> Selector:
     """FlexiCache's box scores pick ``candidates`` x K pages, of which the K holding the most true attention mass
     (summed over the group) are kept, sink and tail forced: what scoring the candidates' keys exactly would select
     (a second stage that reads ``candidates`` x K pages of keys per step)."""
+    if candidates < 1:
+        raise ValueError(f"candidates must be >= 1 (pages scored exactly per page kept), got {candidates}")
 
     def select(view: StepView) -> torch.Tensor:
         k, page_size = settings.pages_per_head, settings.page_size
@@ -62,9 +64,8 @@ def refined(settings: FlexiCacheConfig, candidates: int = 2) -> Selector:
         mass = view.weights.sum(1)
         num_pages = -(-view.num_tokens // page_size)
         page_mass = F.pad(mass, (0, num_pages * page_size - view.num_tokens)).view(-1, num_pages, page_size).sum(-1)
-        ranked = page_mass.gather(1, pool.clamp(min=0)).masked_fill(pool < 0, -1.0)
-        ranked[:, 0] = float("inf")  # the sink: the first page of every row's pool
-        ranked.scatter_(1, ((pool >= 0).sum(1, keepdim=True) - 1).clamp(min=0), float("inf"))  # the tail: its last
+        ranked = page_mass.gather(1, pool)  # every row has all pages: no -1 padding in the pool
+        ranked[:, 0] = ranked[:, -1] = float("inf")  # the sink and the tail: the pool's first and last pages
         kept = pool.gather(1, ranked.topk(min(k, pool.shape[1]), dim=1).indices)
         return pages_to_tokens(kept, page_size, view.num_tokens)
 

@@ -97,8 +97,8 @@ def _check_resume(out: Path, args: argparse.Namespace) -> None:
 
 def build_methods(model: Any, args: argparse.Namespace) -> list:
     """Dense (a DynamicCache, which the flexicache attention serves densely), one FlexiCache method per
-    ``--budget`` (and with ``--oracle`` an oracle row per budget) and one per ``--method`` spec, all on the same
-    model."""
+    ``--budget`` (with ``--oracle`` an oracle row per budget, with ``--oracle-candidates N`` an oracle among the top
+    N x K pages per budget and N) and one per ``--method`` spec, all on the same model."""
     from flexicache import HeadProfile
     from flexicache.config import DEFAULT_PROFILE, ONLINE_PROFILE, FlexiCacheConfig
     from flexicache.models import SMOLLM2
@@ -131,6 +131,8 @@ def build_methods(model: Any, args: argparse.Namespace) -> list:
     methods = [DenseMethod(model)]
     if args.oracle:
         methods += [OracleMethod(model, budget, args.page_size) for budget in args.budget]
+    if any(candidates < 1 for candidates in args.oracle_candidates):
+        raise SystemExit(f"--oracle-candidates takes N >= 1 (N x K candidate pages), got {args.oracle_candidates}")
     methods += [OracleMethod(model, budget, args.page_size, candidates) for candidates in args.oracle_candidates
                 for budget in args.budget]
     methods += [FlexiCacheMethod(model, {"token_budget": budget, **defaults}, load_profile(default_profile),
