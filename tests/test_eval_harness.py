@@ -437,6 +437,15 @@ def test_runner_compares_methods_and_resumes(tiny_tokenizer, tiny_model, tmp_pat
     assert table.splitlines()[0] == "| task | metric | n | dense | copy | ratio | fidelity |"
     assert "| ppl | ppl | 1 |" in table and "| 1.0000 | 1.0000 |" in table
 
+    # a summary of what a folder holds predicts nothing and counts only the stored samples
+    part = tmp_path / "part"
+    run_tasks(tiny_model, tiny_tokenizer, [runner_tasks(tiny_tokenizer)[0]], methods[:1], part, progress=False)
+    calls.clear()
+    partial = run_tasks(tiny_model, tiny_tokenizer, runner_tasks(tiny_tokenizer)[:1], methods, part,
+                        progress=False, predict=False)
+    assert calls == [] and partial["tasks"]["gen"]["n"] == {"dense": 3, "copy": 0}
+    assert partial["tasks"]["gen"]["score"]["dense"] == gen["score"]["dense"]
+
     # resuming: nothing is recomputed; a truncated last line is ignored; new samples only run once each
     with open(PredictionStore(tmp_path).path("gen", "copy"), "a") as handle:
         handle.write('{"_id": "9", "pr')

@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
     parser.add_argument("--hub-repo", default="THUDM/LongBench", help="hub dataset holding LongBench's data.zip")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--summarize-only", action="store_true",
+                        help="predict nothing: write metrics.json and table.md from the predictions --out holds "
+                             "(a partly finished folder's summary; each method's n says how many samples it has)")
 
 
 def _check_resume(out: Path, args: argparse.Namespace) -> None:
@@ -209,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
             for sample in task.samples:
                 sample.stop_strings = tuple(args.stop_strings)
     summary = run_tasks(model, tokenizer, tasks, methods, out, args.decode_tail, progress=not args.no_progress,
-                        batch_size=args.batch_size, share_prefill=not args.no_shared_prefill)
+                        batch_size=args.batch_size, share_prefill=not args.no_shared_prefill,
+                        predict=not args.summarize_only)
     print(format_table(summary))
     print(f"\nresults in {out}/ (predictions/, metrics.json, table.md, config.json)")
     return 0

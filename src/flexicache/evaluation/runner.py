@@ -187,9 +187,9 @@ def batches(task: Task, samples: Sequence[Sample], batch_size: int) -> Iterator[
 
 def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[Task], methods: Sequence[CacheMethod],
               out_dir: str | Path, decode_tail: int = 0, progress: bool = True, batch_size: int = 1,
-              share_prefill: bool = True) -> dict[str, Any]:
-    """Predict every (task, sample, method) not already stored, then summarise; writes metrics.json and
-    table.md and returns the summary. ``batch_size`` > 1 generates equal-length prompts of a task together
+              share_prefill: bool = True, predict: bool = True) -> dict[str, Any]:
+    """Predict every (task, sample, method) not already stored (``predict=False``: none, a partly finished
+    folder's summary of what it holds), then summarise; writes metrics.json and table.md and returns the summary. ``batch_size`` > 1 generates equal-length prompts of a task together
     (faster on a GPU; a row's tokens may then differ from a batch of one by floating-point rounding).
     ``share_prefill``: one dense prefill per batch for the methods that still need that batch (see
     :func:`run_methods`); the predictions are the same either way."""
@@ -198,7 +198,7 @@ def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[Task], methods: Sequen
     store = PredictionStore(out_dir)
     store.check_methods(methods)
     stop_ids, newline = stop_tokens(model, tokenizer), newline_token(tokenizer)
-    for task in tasks:
+    for task in tasks if predict else ():
         done = {m.name: set(store.load(task.name, m.name)) for m in methods}
         with tqdm(total=len(task.samples), desc=task.name, disable=not progress, unit="sample") as bar:
             for batch in batches(task, task.samples, batch_size):
