@@ -57,9 +57,12 @@ for model in ${models[@]}; do
                 --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24
             ;;
         gemma3)  # hybrid: 5 sliding-window (512) layers per global layer; the budget applies to the global layers.
-            # About a minute per row and sample on one core: one budget (1/8), 5 samples per task.
+            # About a minute per row and sample on one core: one budget (1/8); the two tasks in two folders, so that
+            # they can run side by side on two cores (a folder stopped early: --summarize-only, its n in the table)
             eval_rows gemma3 "$root/gemma3/synthetic-8k" 1024 -- --suite synthetic \
-                --tasks passkey niah_single_1 --lengths 8192 --limit 5 --max-new-tokens 24
+                --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24
+            eval_rows gemma3 "$root/gemma3/niah-8k" 1024 -- --suite synthetic \
+                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
             ;;
         levers)  # SmolLM2, one budget: each option of the page selection on its own and combined; perplexity also
             # with the oracle among the top 2K pages by the box scores (the ceiling of an exact second stage)
