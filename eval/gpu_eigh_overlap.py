@@ -32,7 +32,10 @@ import torch.nn.functional as F
 
 from flexicache.config import FlexiCacheConfig
 from flexicache.key_basis import symmetric_eigenvectors
+from flexicache.profiling.pages import page_bounds
 from flexicache.selection import box_scores
+
+PAGE_SIZE = 16
 
 
 def seconds(run: Callable[[], None], repeats: int = 3) -> float:
@@ -65,20 +68,16 @@ def save_prompt_keys(path: str, tokens: int = 2048) -> None:
     print(f"saved keys {tuple(keys.shape)} into {path}")
 
 
-def page_box_widths(keys: torch.Tensor, axes: torch.Tensor, page_size: int = 16) -> torch.Tensor:
+def page_box_widths(keys: torch.Tensor, axes: torch.Tensor) -> torch.Tensor:
     """Mean summed width ``sum_d (max - min)`` (what a page score's ``|q| . radius`` weighs) of the 16-token page
     boxes of ``keys [N, T, D]`` in ``axes [N, D, D]``, per row ``[N]``."""
-    rotated = torch.bmm(keys, axes)
-    pages = rotated[:, : rotated.shape[1] // page_size * page_size].unflatten(1, (-1, page_size))
-    return (pages.amax(2) - pages.amin(2)).sum(-1).mean(1)
+    kmin, kmax = page_bounds(torch.bmm(keys, axes), PAGE_SIZE)
+    return (kmax - kmin).sum(-1).mean(1)
 
 
-def top_pages(keys: torch.Tensor, axes: torch.Tensor, queries: torch.Tensor, k: int, page_size: int = 16
-              ) -> torch.Tensor:
+def top_pages(keys: torch.Tensor, axes: torch.Tensor, queries: torch.Tensor, k: int) -> torch.Tensor:
     """``[N, Q, P]`` bool: each query's top ``k`` pages by FlexiCache's box scores in ``axes``."""
-    rotated = torch.bmm(keys, axes)
-    pages = rotated[:, : rotated.shape[1] // page_size * page_size].unflatten(1, (-1, page_size))
-    kmin, kmax = pages.amin(2), pages.amax(2)
+    kmin, kmax = page_bounds(torch.bmm(keys, axes), PAGE_SIZE)
     scores = box_scores(torch.bmm(queries, axes), kmin, kmax, FlexiCacheConfig.spread_weight)
     top = scores.topk(k, dim=-1).indices
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True)

@@ -41,6 +41,7 @@ from flexicache.attention import ATTENTION_NAME
 from flexicache.benchmarks.attention import Shape, random_profile
 from flexicache.benchmarks.measure import StepClock, build_model, peak, random_ids, reset_peak, summarize, synchronize
 from flexicache.benchmarks.suite import MODEL_SHAPES, model_config
+from flexicache.benchmarks.suite import release as release_memory
 from flexicache.models import cache_keyword
 
 GIB = 2**30
@@ -59,9 +60,9 @@ def generate_steps(model: Any, ids: torch.Tensor, new_tokens: int, cache: Any = 
 
 
 def release(device: torch.device) -> None:
+    """Collect what a finished ``generate`` left in reference cycles, then the suite's release of device memory."""
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_memory(device)
 
 
 def measure(name: str, model: Any, ids: torch.Tensor, new_tokens: int, warm_ids: torch.Tensor,

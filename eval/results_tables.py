@@ -18,9 +18,15 @@ from pathlib import Path
 
 QUEST_SUFFIX = ",spread_weight=1.0,principal_bounds=False"
 # rows a folder may hold beside the defaults: (method name at "{budget}", column header)
-VARIANTS = (("oracle@{budget},candidates=2", "oracle pages among FlexiCache's top 2K"),
-            ("flexicache@{budget},profile=online", "FlexiCache, head split from the prompt"),
+VARIANTS = (("flexicache@{budget},profile=online", "FlexiCache, head split from the prompt"),
             ("flexicache@{budget},rerank_warmup=16", "FlexiCache, `rerank_warmup=16`"))
+
+
+def compared(budget: int, variants: list[str]) -> list[str]:
+    """The methods of one budget's row after dense: the oracle pages, FlexiCache, Quest's bound and ``variants``
+    (method names at ``{budget}``)."""
+    flexi = f"flexicache@{budget}"
+    return [f"oracle@{budget}", flexi, flexi + QUEST_SUFFIX, *(variant.format(budget=budget) for variant in variants)]
 
 
 def budgets_of(methods: list[str]) -> list[int]:
@@ -69,15 +75,14 @@ def table(folder: Path) -> str:
     lines = ["| task | budget | n | dense | oracle pages | FlexiCache | Quest's bound |"
              + "".join(f" {header} |" for _, header in variants),
              "|---|---|---|---|---|---|---|" + "---|" * len(variants)]
+    templates = [template for template, _ in variants]
     for name, task in metrics["tasks"].items():
         lower = task["kind"] == "perplexity"
         for budget in budgets:
-            flexi = f"flexicache@{budget}"
-            methods = [f"oracle@{budget}", flexi, flexi + QUEST_SUFFIX] + [t.format(budget=budget) for t, _ in variants]
             lines.append(" | ".join([
-                f"| {name}", f"{budget}", str(task["n"].get(flexi, "-")), cell(task, "dense", lower),
-                *(cell(task, method, lower) for method in methods)]) + " |")
-    fidelity = [fidelity_row(name, task, budget, [template for template, _ in variants])
+                f"| {name}", f"{budget}", str(task["n"].get(f"flexicache@{budget}", "-")), cell(task, "dense", lower),
+                *(cell(task, method, lower) for method in compared(budget, templates))]) + " |")
+    fidelity = [fidelity_row(name, task, budget, compared(budget, templates))
                 for name, task in metrics["tasks"].items() if task.get("fidelity") for budget in budgets]
     if fidelity:
         lines += ["", "Outputs identical to dense's (share of samples; ROUGE-L against dense's outputs):", "",
@@ -87,11 +92,8 @@ def table(folder: Path) -> str:
     return "\n".join(lines) + f"\n\n`{command_of(config)}`"
 
 
-def fidelity_row(name: str, task: dict, budget: int, variants: list[str]) -> str:
-    """``identical (ROUGE-L)`` against dense of the oracle, FlexiCache, Quest's bound and the ``variants`` (method
-    names at ``{budget}``) at ``budget``."""
-    methods = [f"oracle@{budget}", f"flexicache@{budget}", f"flexicache@{budget}{QUEST_SUFFIX}",
-               *(variant.format(budget=budget) for variant in variants)]
+def fidelity_row(name: str, task: dict, budget: int, methods: list[str]) -> str:
+    """``identical (ROUGE-L)`` against dense of each of ``methods`` at ``budget``."""
     cells = []
     for method in methods:
         entry = task["fidelity"].get(method)

@@ -107,12 +107,24 @@ class OracleLayer(DynamicLayer):
         if self.basis is not None:  # None: a cache started token by token keeps the model's axes, as FlexiCache
             basis = self.basis.select(torch.tensor([request]))
             keys, grouped = basis.chunk(keys.unsqueeze(0))[0], basis.rows(grouped)
-        kmin, kmax = page_bounds(keys, settings.page_size)
-        scores = quest_page_scores(grouped, kmin, kmax, settings.group_reduce, settings.spread_weight)
-        counts = torch.full((scores.shape[0],), scores.shape[1], dtype=torch.long, device=scores.device)
-        pages, _ = select_pages(scores, counts, self.candidates * settings.pages_per_head, force_last=True)
-        chosen = torch.zeros(scores.shape[0], scores.shape[1] + 1, dtype=torch.bool, device=scores.device)
-        return chosen.scatter_(1, pages.masked_fill(pages < 0, scores.shape[1]), True)[:, :-1]
+        pages = box_top_pages(grouped, keys, settings, self.candidates * settings.pages_per_head)
+        return page_mask(pages, -(-keys.shape[1] // settings.page_size))
+
+
+def box_top_pages(query: torch.Tensor, keys: torch.Tensor, settings: FlexiCacheConfig, k: int) -> torch.Tensor:
+    """``[R, min(k, P)]`` each row's top-``k`` pages by FlexiCache's box scores (``settings``' page size, group
+    reduction and spread weight), sink and tail forced, ascending (:func:`~flexicache.selection.select_pages`), for
+    queries ``query [R, G, D]`` over all of ``keys [R, N, D]``, both in the boxes' axes."""
+    kmin, kmax = page_bounds(keys, settings.page_size)
+    scores = quest_page_scores(query, kmin, kmax, settings.group_reduce, settings.spread_weight)
+    counts = torch.full((scores.shape[0],), scores.shape[1], dtype=torch.long, device=scores.device)
+    return select_pages(scores, counts, k, force_last=True)[0]
+
+
+def page_mask(pages: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """``[R, num_pages]`` bool: the pages listed in ``pages [R, k]`` (``-1``: none)."""
+    chosen = torch.zeros(pages.shape[0], num_pages + 1, dtype=torch.bool, device=pages.device)
+    return chosen.scatter_(1, pages.masked_fill(pages < 0, num_pages), True)[:, :-1]
 
 
 def oracle_token_mask(weights: torch.Tensor, page_size: int, pages: int, candidates: torch.Tensor | None = None

@@ -8,35 +8,27 @@ Every selector returns ``[R, T]`` bool for a :class:`~flexicache.diagnostics.rec
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from flexicache.config import FlexiCacheConfig
 from flexicache.diagnostics.recall import Selector, StepView
 from flexicache.key_basis import KeyBasis
-from flexicache.oracle import oracle_token_mask
-from flexicache.profiling.pages import page_bounds
-from flexicache.selection import quest_page_scores, select_pages
+from flexicache.oracle import box_top_pages, oracle_token_mask, page_mask
 
 
 def pages_to_tokens(pages: torch.Tensor, page_size: int, num_tokens: int) -> torch.Tensor:
     """``pages [R, k]`` (``-1`` = none) -> ``[R, T]`` bool mask of their tokens."""
-    num_pages = -(-num_tokens // page_size)
-    chosen = torch.zeros(pages.shape[0], num_pages + 1, dtype=torch.bool, device=pages.device)
-    chosen.scatter_(1, pages.masked_fill(pages < 0, num_pages), True)
-    return chosen[:, :num_pages].repeat_interleave(page_size, dim=1)[:, :num_tokens]
+    chosen = page_mask(pages, -(-num_tokens // page_size))
+    return chosen.repeat_interleave(page_size, dim=1)[:, :num_tokens]
 
 
 def box_pages(view: StepView, settings: FlexiCacheConfig, k: int) -> torch.Tensor:
-    """``[R, k]`` each row's top-``k`` pages by FlexiCache's box scores with ``settings``, sink and tail forced, in
-    ascending order (:func:`~flexicache.selection.select_pages`)."""
+    """``[R, k]`` each row's top-``k`` pages by FlexiCache's box scores with ``settings`` (in the principal axes of
+    the prompt's keys with ``principal_bounds``), sink and tail forced, ascending."""
     keys, query = view.keys, view.query
     if settings.principal_bounds:
         basis = KeyBasis.principal_axes(keys[:, : max(view.prompt_tokens, 1)].unsqueeze(0), None)
         keys, query = basis.chunk(keys.unsqueeze(0))[0], basis.rows(query)
-    kmin, kmax = page_bounds(keys, settings.page_size)
-    scores = quest_page_scores(query, kmin, kmax, settings.group_reduce, settings.spread_weight)
-    counts = torch.full((scores.shape[0],), scores.shape[1], dtype=torch.long)
-    return select_pages(scores, counts, k, force_last=True)[0]
+    return box_top_pages(query, keys, settings, k)
 
 
 def flexicache(settings: FlexiCacheConfig) -> Selector:
@@ -61,13 +53,7 @@ def refined(settings: FlexiCacheConfig, candidates: int = 2) -> Selector:
     def select(view: StepView) -> torch.Tensor:
         k, page_size = settings.pages_per_head, settings.page_size
         pool = box_pages(view, settings, candidates * k)
-        mass = view.weights.sum(1)
-        num_pages = -(-view.num_tokens // page_size)
-        page_mass = F.pad(mass, (0, num_pages * page_size - view.num_tokens)).view(-1, num_pages, page_size).sum(-1)
-        ranked = page_mass.gather(1, pool)  # every row has all pages: no -1 padding in the pool
-        ranked[:, 0] = ranked[:, -1] = float("inf")  # the sink and the tail: the pool's first and last pages
-        kept = pool.gather(1, ranked.topk(min(k, pool.shape[1]), dim=1).indices)
-        return pages_to_tokens(kept, page_size, view.num_tokens)
+        return oracle_token_mask(view.weights, page_size, k, page_mask(pool, -(-view.num_tokens // page_size)))
 
     return select
 

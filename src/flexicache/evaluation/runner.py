@@ -189,8 +189,9 @@ def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[Task], methods: Sequen
               out_dir: str | Path, decode_tail: int = 0, progress: bool = True, batch_size: int = 1,
               share_prefill: bool = True, predict: bool = True) -> dict[str, Any]:
     """Predict every (task, sample, method) not already stored (``predict=False``: none, a partly finished
-    folder's summary of what it holds), then summarise; writes metrics.json and table.md and returns the summary. ``batch_size`` > 1 generates equal-length prompts of a task together
-    (faster on a GPU; a row's tokens may then differ from a batch of one by floating-point rounding).
+    folder's summary of what it holds), then summarise; writes metrics.json and table.md and returns the summary.
+    ``batch_size`` > 1 generates equal-length prompts of a task together (faster on a GPU; a row's tokens may then
+    differ from a batch of one by floating-point rounding).
     ``share_prefill``: one dense prefill per batch for the methods that still need that batch (see
     :func:`run_methods`); the predictions are the same either way."""
     from tqdm.auto import tqdm
