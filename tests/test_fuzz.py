@@ -45,6 +45,7 @@ VALID_SETTINGS = {
     "backend": st.sampled_from(["auto", "reference"]),
     "cuda_graphs": st.booleans(),
     "max_cache_len": st.one_of(st.none(), st.integers(1, 100)),
+    "host_dtype": st.sampled_from(["auto", "float8_e4m3fn"]),
 }
 
 
@@ -85,7 +86,7 @@ def test_any_settings_either_work_or_are_refused_naming_the_argument(case: tuple
         assert CONFIG.to_dict() == config and PROFILE.to_dict() == profile
     out = generate(cache, *PROMPTS)
     event("ran at a covering budget" if cache.settings.token_budget >= COVERING else "ran sparse")
-    if cache.settings.token_budget >= COVERING:
+    if cache.settings.token_budget >= COVERING and cache.settings.host_dtype == "auto":  # float8: rounded KV
         assert torch.equal(out, DENSE), settings
     assert out.shape == DENSE.shape and cache.stats()["decode_steps"] == NEW_TOKENS - 1
 

@@ -228,8 +228,10 @@ def test_cuda_graph_decode_matches_eager_launches() -> None:
     assert graphed.stats()["promoted_pages"] == caches[False].stats()["promoted_pages"] > 0
 
 
-def test_zero_copy_transfers_match_torch_indexing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Promotions and tail retirements through the zero-copy kernels leave exactly the state torch indexing does."""
+@pytest.mark.parametrize("host_dtype", ["auto", "float8_e4m3fn"])
+def test_zero_copy_transfers_match_torch_indexing(monkeypatch: pytest.MonkeyPatch, host_dtype: str) -> None:
+    """Promotions and tail retirements through the zero-copy kernels leave exactly the state torch indexing does
+    (with a float8 tier: the kernels' casts round as torch's do)."""
     model = tiny_model(4)
     profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim, unstable_heads=[(0, 1), (3, 0)])
     ids = torch.randint(0, 512, (2, 600), device="cuda")
@@ -238,7 +240,8 @@ def test_zero_copy_transfers_match_torch_indexing(monkeypatch: pytest.MonkeyPatc
     results = {}
     for zero_copy in (True, False):
         monkeypatch.setattr("flexicache.offload.triton_available", lambda zero_copy=zero_copy: zero_copy)
-        cache = FlexiCache.from_model(model, profile=profile, token_budget=64, backend="flashinfer")
+        cache = FlexiCache.from_model(model, profile=profile, token_budget=64, backend="flashinfer",
+                                      host_dtype=host_dtype)
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True)

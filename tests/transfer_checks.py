@@ -19,7 +19,7 @@ def transfer_outcome(cache: FlexiCache, logits: tuple[torch.Tensor, ...]) -> tup
     full_pages = [tokens // page_size for tokens in cache.sequence.num_tokens_host.tolist()]
     state = [tensor.clone() for storage in stored for tensor in
              (storage.offloaded.selected, storage.offloaded.selected_scores, storage.pool.k, storage.pool.v)]
-    state += [tier[request, :, :pages].clone() for storage in stored
+    state += [tier[request, :, :pages].clone().view(torch.uint8) for storage in stored  # bytes: any dtype
               for tier in (storage.offloaded.host.k, storage.offloaded.host.v)
               for request, pages in enumerate(full_pages)]
     return torch.stack(logits), state, cache.stats()
@@ -34,8 +34,9 @@ def assert_same_transfer_outcome(one: tuple, other: tuple) -> None:
 
 
 def assert_selected_slots_hold_their_pages(cache: FlexiCache) -> None:
-    """The stable heads' invariant: every device selection slot holds exactly the host page it lists (the page a
-    rerank promoted or a tail retirement moved there; full pages never change on the host)."""
+    """The stable heads' invariant: every device selection slot holds the host page it lists (the page a rerank
+    promoted or a tail retirement moved there; full pages never change on the host): exactly, or, for a tier
+    narrower than the KV (``host_dtype``), a slot that rounds to it (a retired tail stays exact on the device)."""
     for index, layer in enumerate(cache.layers):
         pages = layer.storage.offloaded
         if pages is None:
@@ -45,7 +46,8 @@ def assert_selected_slots_hold_their_pages(cache: FlexiCache) -> None:
         device_slot = pages.base + row * pages.k + column
         host_page = (row * pages.host.k.shape[2] + pages.selected[row, column]).to(host_k.device)
         for device_pages, host_pages in ((pages.pool.k, host_k), (pages.pool.v, host_v)):
-            differs = (device_pages[device_slot].cpu() != host_pages[host_page].cpu()).flatten(1).any(1)
+            held = device_pages[device_slot].to(host_pages.dtype).cpu().view(torch.uint8)
+            differs = (held != host_pages[host_page].cpu().view(torch.uint8)).flatten(1).any(1)
             assert not bool(differs.any()), (
                 f"layer {index}: selection slots {device_slot[differs.to(device_slot.device)].tolist()} do not hold "
                 f"the host pages they list")

@@ -10,9 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from flexicache.profile import PROFILE_FILENAME, HeadProfile
 
 BackendName = Literal["auto", "reference", "flashinfer"]
+HostDtypeName = Literal["auto", "float8_e4m3fn"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,10 @@ class FlexiCacheConfig:
             stable heads' whole KV in page-locked host memory, the unstable heads' on the device) and the CUDA
             selection kernels and recorded stable reranks work over the reserved pages: pass what the generation
             will use, not ``max_position_embeddings``. ``None``: buffers grow as tokens come (a quarter at a time).
+        host_dtype: how the stable heads' pages are stored in the host tier: ``"auto"`` (the KV's own dtype: exact)
+            or ``"float8_e4m3fn"`` (8-bit floats, magnitudes above 448 saturated: half the host memory per sequence
+            and half the bytes of every promotion; a promoted page attends with the rounded keys and values). The
+            device copies of pages still being written, the page min/max and the unstable heads keep the KV dtype.
     """
 
     token_budget: int = 2048
@@ -57,6 +64,7 @@ class FlexiCacheConfig:
     backend: BackendName = "auto"
     cuda_graphs: bool = True
     max_cache_len: int | None = None
+    host_dtype: HostDtypeName = "auto"
 
     def __post_init__(self) -> None:
         page_size = integer_argument(self.page_size, "page_size", "a power of two (e.g. 16)")
@@ -97,6 +105,13 @@ class FlexiCacheConfig:
             object.__setattr__(self, name, value)
         if self.max_cache_len is not None:
             object.__setattr__(self, "max_cache_len", _positive_tokens(self.max_cache_len))
+        if not isinstance(self.host_dtype, str) or self.host_dtype not in ("auto", "float8_e4m3fn"):
+            raise ValueError(f"host_dtype must be 'auto' (the KV's dtype) or 'float8_e4m3fn' (half the host memory), "
+                             f"got {self.host_dtype!r}.")
+
+    def host_tier_dtype(self, kv_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the host tier's pages for KV of ``kv_dtype``."""
+        return kv_dtype if self.host_dtype == "auto" else getattr(torch, self.host_dtype)
 
     @property
     def reserved_pages(self) -> int:

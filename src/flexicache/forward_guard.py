@@ -92,7 +92,8 @@ def check_host_demand(layers: Sequence[PagedLayer], sequence: SequenceState, key
     if all(tier_pages(layer.storage, settings, pages) is None for layer in stable):
         return  # every tier has room (a decode step, most of the time)
     batch_size, _, _, head_dim = key_states.shape
-    page_bytes = 2 * settings.page_size * head_dim * key_states.element_size()  # keys + values
+    host_dtype = settings.host_tier_dtype(key_states.dtype)
+    page_bytes = 2 * settings.page_size * head_dim * torch.empty((), dtype=host_dtype).element_size()  # K + V
     device = key_states.device if layers[0].storage is None else layers[0].storage.device
     pinned = host_tier.pins_host_tier(device)
     needed, largest_replaced, heads = 0, 0, 0

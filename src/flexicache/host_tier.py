@@ -17,7 +17,8 @@ def pins_host_tier(device: torch.device) -> bool:
 
 class HostTier:
     """Full pages of ``h`` stable heads in host memory: ``k``/``v`` of shape ``[B, h, P, ps, D]`` (``capacity`` pages
-    per row up front).
+    per row up front), in ``dtype`` (the KV's, or a narrower one: ``FlexiCacheConfig.host_dtype``; every copy to
+    or from the device casts).
 
     ``pin_memory``: page-locked, borrowed from the process's pinned host pool (:mod:`flexicache.host_pool`, for CUDA
     copies and zero-copy kernels) and given back as soon as nothing views it; else ordinary memory. Pages beyond those
@@ -63,8 +64,8 @@ class HostTier:
         return self.k.view(shape), self.v.view(shape)
 
     def to_device(self, num_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``num_pages`` pages of every row as device ``[B, h, num_pages, ps, D]`` keys/values: one
-        asynchronous copy per row and tensor from the page-locked tier (a row's pages are contiguous in it)."""
+        """The first ``num_pages`` pages of every row as device ``[B, h, num_pages, ps, D]`` keys/values in the tier's
+        dtype: one asynchronous copy per row and tensor from the page-locked tier (a row's pages are contiguous in it)."""
         batch_size, num_heads, capacity, page_size, head_dim = self.k.shape
         copies = []
         for pages in (self.k, self.v):

@@ -31,8 +31,8 @@ def symmetric_eigenvectors(matrices: torch.Tensor) -> torch.Tensor:
     whatever the TF32 setting): 64 matrices of ``128 x 128`` in ~2 ms, where ``eigh`` solves them one after another
     in 35-110 ms on an H200 (``eval/gpu_eigh_overlap.py``, ``eval/gpu_prefill_breakdown.py --eigh``). Its axes of
     large variance agree with ``eigh``'s, those of tiny variance (which barely widen a box) may mix. A matrix whose
-    basis stays above :data:`ORTHONORMAL_TOLERANCE` (a rank-deficient one) is solved by ``eigh``, and if ``gesvda``
-    does not converge the whole batch is. Syncs with the host (torch's checks of ``gesvda`` and the fallback's):
+    basis stays above :data:`ORTHONORMAL_TOLERANCE` (a rank-deficient one) is solved by ``eigh`` in float64, and if
+    ``gesvda`` does not converge the whole batch is. Syncs with the host (torch's checks of ``gesvda`` and the fallback's):
     it runs once per layer, at its first chunk, never inside a CUDA graph.
     """
     if matrices.device.type != "cuda" or torch.version.hip is not None:
@@ -42,15 +42,15 @@ def symmetric_eigenvectors(matrices: torch.Tensor) -> torch.Tensor:
             warnings.simplefilter("ignore")
             vectors = torch.linalg.svd(matrices, full_matrices=False, driver="gesvda").U.double()
     except RuntimeError:  # did not converge
-        return torch.linalg.eigh(matrices).eigenvectors
+        return torch.linalg.eigh(matrices.double()).eigenvectors.to(matrices.dtype)
     identity = torch.eye(matrices.shape[-1], dtype=torch.float64, device=matrices.device)
     for _ in range(4):  # X <- X (3 I - X^T X) / 2: to the nearest orthonormal matrix, quadratically
         vectors = torch.bmm(vectors, 1.5 * identity - 0.5 * torch.bmm(vectors.mT, vectors))
     error = (torch.bmm(vectors.mT, vectors) - identity).abs().amax(dim=(1, 2))
     vectors = vectors.to(matrices.dtype)
     failed = (~(error <= ORTHONORMAL_TOLERANCE)).nonzero().flatten()  # NaN fails too
-    if failed.numel():
-        vectors[failed] = torch.linalg.eigh(matrices[failed]).eigenvectors
+    if failed.numel():  # in float64: a float32 eigh of a rank-deficient matrix is orthonormal to ~1e-4 only
+        vectors[failed] = torch.linalg.eigh(matrices[failed].double()).eigenvectors.to(matrices.dtype)
     return vectors
 
 

@@ -54,7 +54,7 @@ class OffloadedPages:
     """
 
     def __init__(self, pool: PagePool, batch_size: int, num_heads: int, pages_per_head: int, page_size: int,
-                 host_pages: int = 0) -> None:
+                 host_pages: int = 0, host_dtype: torch.dtype | None = None) -> None:
         self.pool = pool
         self.num_heads = num_heads
         self.k = pages_per_head
@@ -65,7 +65,7 @@ class OffloadedPages:
         self.selected = torch.full((rows, pages_per_head - 1), -1, dtype=torch.long, device=device)
         self.selected_scores = torch.full((rows, pages_per_head - 1), float("-inf"), device=device)
         self.all_requests = torch.arange(batch_size, device=device)
-        self.host = HostTier(batch_size, num_heads, page_size, head_dim, dtype,
+        self.host = HostTier(batch_size, num_heads, page_size, head_dim, host_dtype or dtype,
                              pin_memory=host_tier.pins_host_tier(device), capacity=host_pages)
         self.counters = TransferCounters()
         self.steps_since_rerank = 0
@@ -97,7 +97,12 @@ class OffloadedPages:
         return self.base + self._rows_of(batch) * self.k + self.k - 1
 
     def _page_bytes(self, num_pages: int) -> int:
+        """Bytes of ``num_pages`` device pages (keys and values)."""
         return 2 * num_pages * self.pool.k.shape[1] * self.pool.k.shape[2] * self.pool.k.element_size()
+
+    def _host_page_bytes(self, num_pages: int) -> int:
+        """Bytes of ``num_pages`` host pages (keys and values): what moving them between host and device carries."""
+        return 2 * num_pages * self.pool.k.shape[1] * self.pool.k.shape[2] * self.host.k.element_size()
 
     # ----------------------------------------------------------------------------------------------- append
 
@@ -114,7 +119,7 @@ class OffloadedPages:
 
             retire_tails(self._device_pages(), self.host.pages(), self.selected, self.selected_scores, batch,
                          plan.before, self.base, self.num_heads, self.host.k.shape[2], self.page_size)
-            self.counters.bytes_d2h += self._page_bytes(batch.numel() * self.num_heads)
+            self.counters.bytes_d2h += self._host_page_bytes(batch.numel() * self.num_heads)
             return
         page = (plan.before[batch] - 1) // self.page_size  # [n] the full tail page of each request
         tail_slots = self._tail_slots(batch)
@@ -140,7 +145,7 @@ class OffloadedPages:
         """Host side of :meth:`retire_full_tails_on_device` for a step where ``num_full`` requests retire and the
         longest has ``full_pages`` full pages: room in the host tier, the transfer count."""
         self._reserve_host(full_pages)
-        self.counters.bytes_d2h += self._page_bytes(num_full * self.num_heads)
+        self.counters.bytes_d2h += self._host_page_bytes(num_full * self.num_heads)
 
     def retire_full_tails_on_device(self, before: torch.Tensor) -> None:
         """:meth:`retire_full_tails` for every request whose tail page is full, decided on the device from
@@ -160,14 +165,15 @@ class OffloadedPages:
         """Copy the tail slots ``[n * h]`` of requests ``batch [n]`` to host page ``page [n]`` (one per request)."""
         self._copy_pages(self._device_pages(), self.host.pages(), tail_slots, self._host_page_index(batch, page),
                          torch.ones_like(tail_slots, dtype=torch.bool))
-        self.counters.bytes_d2h += self._page_bytes(batch.numel() * self.num_heads)
+        self.counters.bytes_d2h += self._host_page_bytes(batch.numel() * self.num_heads)
 
     def _device_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pool.k, self.pool.v
 
     def _copy_pages(self, source: tuple[torch.Tensor, torch.Tensor], target: tuple[torch.Tensor, torch.Tensor],
                     source_index: torch.Tensor, target_index: torch.Tensor, mask: torch.Tensor) -> None:
-        """``target[target_index[i]] = source[source_index[i]]`` (keys and values) where ``mask[i]``."""
+        """``target[target_index[i]] = source[source_index[i]]`` (keys and values) where ``mask[i]``, cast to the
+        target's dtype (the host tier's may be narrower)."""
         if self.zero_copy:
             from flexicache.backends.triton_transfer import copy_pages
 
@@ -177,7 +183,7 @@ class OffloadedPages:
         source_index = source_index[chosen].to(source[0].device)
         target_index = target_index[chosen].to(target[0].device)
         for source_pages, target_pages in zip(source, target):
-            target_pages[target_index] = source_pages[source_index].to(target_pages.device)
+            target_pages[target_index] = source_pages[source_index].to(target_pages.device, target_pages.dtype)
 
     def _reserve_host(self, num_pages: int) -> None:
         """Grow the host tier; on CUDA wait first for the kernels that may still read or write the old one."""
@@ -195,7 +201,7 @@ class OffloadedPages:
         started = host_to_device((plan.before_host > 0).nonzero().view(-1), device)
         if started.numel():  # the old tail page may be partial and exist on the device only
             self._offload_tails(started, (plan.before[started] - 1) // self.page_size, self._tail_slots(started))
-        self.counters.bytes_d2h += 2 * new_keys.numel() * self.pool.k.element_size()
+        self.counters.bytes_d2h += 2 * new_keys.numel() * self.host.k.element_size()
         nonempty = (plan.after_host > 0).nonzero().view(-1)
         if self.zero_copy:  # the device writes the tokens into the pinned tier and reads the tails back: no sync
             from flexicache.backends.triton_transfer import copy_pages, write_tokens
@@ -207,7 +213,7 @@ class OffloadedPages:
             tail_slots = self._tail_slots(requests)
             copy_pages(self.host.pages(), self._device_pages(), self._host_page_index(requests, tail_page), tail_slots,
                        torch.ones_like(tail_slots, dtype=torch.int8))
-            self.counters.bytes_h2d += self._page_bytes(nonempty.numel() * self.num_heads)
+            self.counters.bytes_h2d += self._host_page_bytes(nonempty.numel() * self.num_heads)
             return
         batch_host, page_host, offset_host = plan.batch.cpu(), plan.page.cpu(), plan.offset.cpu()
         self.host.k[batch_host, :, page_host, offset_host] = new_keys.to("cpu", self.host.k.dtype)
@@ -216,9 +222,9 @@ class OffloadedPages:
         tails_k = self.host.k[nonempty, :, tail_page].reshape(-1, self.page_size, self.pool.k.shape[-1])
         tails_v = self.host.v[nonempty, :, tail_page].reshape(-1, self.page_size, self.pool.k.shape[-1])
         tail_slots = self._tail_slots(nonempty.to(self.pool.k.device))
-        self.pool.k[tail_slots] = tails_k.to(self.pool.k.device, non_blocking=True)
-        self.pool.v[tail_slots] = tails_v.to(self.pool.v.device, non_blocking=True)
-        self.counters.bytes_h2d += self._page_bytes(nonempty.numel() * self.num_heads)
+        self.pool.k[tail_slots] = tails_k.to(self.pool.k.device, self.pool.k.dtype, non_blocking=True)
+        self.pool.v[tail_slots] = tails_v.to(self.pool.v.device, self.pool.v.dtype, non_blocking=True)
+        self.counters.bytes_h2d += self._host_page_bytes(nonempty.numel() * self.num_heads)
 
     # ----------------------------------------------------------------------------------------- crop, reorder
 
@@ -305,17 +311,17 @@ class OffloadedPages:
         count, counters = count.view(()), self.counters
         if self.zero_copy and torch.is_tensor(counters.promoted_pages):
             counters.promoted_pages.add_(count)
-            counters.bytes_h2d.add_(count * self._page_bytes(1))
+            counters.bytes_h2d.add_(count * self._host_page_bytes(1))
         else:
             counters.promoted_pages = counters.promoted_pages + count
-            counters.bytes_h2d = counters.bytes_h2d + count * self._page_bytes(1)
+            counters.bytes_h2d = counters.bytes_h2d + count * self._host_page_bytes(1)
 
     def _count_copied_to_device(self, num_pages: int) -> None:
         """Add ``num_pages`` pages copied to the device outside a rerank (in place where the counter is)."""
         if self.zero_copy and torch.is_tensor(self.counters.bytes_h2d):
-            self.counters.bytes_h2d.add_(self._page_bytes(num_pages))
+            self.counters.bytes_h2d.add_(self._host_page_bytes(num_pages))
         else:
-            self.counters.bytes_h2d = self.counters.bytes_h2d + self._page_bytes(num_pages)
+            self.counters.bytes_h2d = self.counters.bytes_h2d + self._host_page_bytes(num_pages)
 
     # ----------------------------------------------------------------------------------------------- decode
 
@@ -339,13 +345,13 @@ class OffloadedPages:
             num_tokens: ``[B]`` real tokens per request (CPU).
         """
         self._reserve_host(num_pages)
-        device, head_dim = self.pool.k.device, self.pool.k.shape[-1]
+        device, dtype, head_dim = self.pool.k.device, self.pool.k.dtype, self.pool.k.shape[-1]
         batch_size = self.num_rows // self.num_heads
         if self.host.pin_memory:  # copies from the page-locked tier, ordered after the kernels that write it
-            keys, values = self.host.to_device(num_pages, device)
+            keys, values = (pages.to(dtype) for pages in self.host.to_device(num_pages, device))
         else:
-            keys = self.host.k[:, :, :num_pages].to(device, copy=True, memory_format=torch.contiguous_format)
-            values = self.host.v[:, :, :num_pages].to(device, copy=True, memory_format=torch.contiguous_format)
+            keys, values = (pages[:, :, :num_pages].to(device, dtype, copy=True, memory_format=torch.contiguous_format)
+                            for pages in (self.host.k, self.host.v))
         nonempty = (num_tokens > 0).nonzero().view(-1)
         tail_page = ((num_tokens[nonempty] - 1) // self.page_size).to(device)
         nonempty = nonempty.to(device)

@@ -57,7 +57,8 @@ class LayerStorage:
             self.open_start = torch.zeros(1, dtype=torch.long, device=device)  # whole-step graphs' page opening
         if self.stable_heads:
             self.offloaded = OffloadedPages(self.pool, batch_size, len(self.stable_heads), pages_per_head, page_size,
-                                            host_pages=settings.reserved_pages)
+                                            host_pages=settings.reserved_pages,
+                                            host_dtype=settings.host_tier_dtype(dtype))
             self.write_slots[:, self.stable_index] = self.offloaded.tail_slots()
         self._reserved_plan: AppendPlan | None = None  # the graphed step whose room reserve_graphed_step made
         self.basis: KeyBasis | None = None  # the page boxes' axes (principal_bounds), set by the first chunk
@@ -170,6 +171,7 @@ class LayerStorage:
             counts["device_kv_bytes"] += used_pages * len(self.unstable_heads) * page_bytes
         if self.offloaded is not None:
             counts["device_kv_bytes"] += self.offloaded.nbytes_reserved
-            counts["host_kv_bytes"] += used_pages * len(self.stable_heads) * page_bytes
+            host_page_bytes = page_bytes * self.offloaded.host.k.element_size() // self.pool.k.element_size()
+            counts["host_kv_bytes"] += used_pages * len(self.stable_heads) * host_page_bytes
             counts["host_reserved_bytes"] += self.offloaded.host.nbytes_reserved
         return counts

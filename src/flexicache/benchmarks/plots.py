@@ -113,20 +113,26 @@ def plot_rerank(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-PLOTS = {"memory": ("memory.png", plot_memory), "decode": ("decode_speedup.png", plot_speedup),
-         "rerank": ("rerank.png", plot_rerank)}
+def has_dynamic(rows: list[dict[str, Any]]) -> bool:
+    """Whether ``rows`` hold DynamicCache's, which a speedup plot divides by."""
+    return any(row["system"] == "dynamic" for row in rows)
+
+
+# case: (file name, plot, whether its rows can be plotted)
+PLOTS = {"memory": ("memory.png", plot_memory, bool), "decode": ("decode_speedup.png", plot_speedup, has_dynamic),
+         "rerank": ("rerank.png", plot_rerank, bool)}
 
 
 def write_plots(results: dict[str, Any], out: Path) -> list[str]:
-    """Write the plots whose case has rows; returns their file names (none without matplotlib)."""
+    """Write the plots whose case has rows to plot; returns their file names (none without matplotlib)."""
     try:
         _pyplot()
     except ImportError:
         return []
     written = []
-    for case, (name, plot) in PLOTS.items():
+    for case, (name, plot, plottable) in PLOTS.items():
         rows = case_rows(results, case)
-        if rows:
+        if plottable(rows):
             plot(rows, out / name)
             written.append(name)
     return written

@@ -257,11 +257,11 @@ def throughput_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> s
         if facts.get("reserved"):
             text += (f"{size(facts['reserved'])} reserved with the tier's growth room (at batch "
                      f"{row['largest_batch']}), ")
-        text += (f"and {size(facts['pinned'])} of pinned blocks at the probe (batch {row['probe_batch']}; torch's "
-                 "pinned allocator rounds blocks up), which the bound uses. The device alone would allow "
+        text += (f"and {size(facts['pinned'])} of pinned blocks at the probe (batch {row['probe_batch']}; the "
+                 "pinned pool hands out whole blocks), which the bound uses. The device alone would allow "
                  f"{row['batch_by_device']}.")
-        if facts.get("batch_at_kv") and dyn and dyn.get("largest_batch"):
-            need = math.ceil(1.5 * dyn["largest_batch"])
+        need = math.ceil(1.5 * dyn["largest_batch"]) if dyn and dyn.get("largest_batch") else None
+        if facts.get("batch_at_kv") and need and facts["batch_at_kv"] < need:
             text += (f" Even at the bare KV the host holds {facts['batch_at_kv']} sequences, short of the {need} "
                      f"that 1.5x DynamicCache's {dyn['largest_batch']} needs ({need} x {size(facts['kv'])} = "
                      f"{size(need * facts['kv'])} > {size(facts['limit'])}).")
