@@ -48,7 +48,8 @@ for model in ${models[@]}; do
             ;;
         qwen2.5-coder)  # 32k context window: 8k prompts; perplexity at 2k (one core's time)
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/ppl-2k" 256 128 budget=256,profile=online \
-                budget=128,profile=online budget=256,rerank_warmup=16 budget=128,rerank_warmup=16 -- --suite ppl \
+                budget=128,profile=online budget=256,rerank_warmup=16 budget=128,rerank_warmup=16 \
+                budget=256,host_dtype=float8_e4m3fn -- --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
@@ -64,14 +65,21 @@ for model in ${models[@]}; do
             eval_rows gemma3 "$root/gemma3/niah-8k" 1024 -- --suite synthetic \
                 --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
             ;;
-        levers)  # SmolLM2, one budget: each option of the page selection on its own and combined; perplexity also
-            # with the oracle among the top 2K pages by the box scores (the ceiling of an exact second stage)
+        levers)  # SmolLM2, one budget: each option of the page selection (and the float8 host tier) on its own and
+            # combined; perplexity also with the oracle among the top 2K pages by the box scores (the ceiling of an
+            # exact second stage), and with 8-token pages against the rerank interval
             levers=(spread_weight=1.0,principal_bounds=false principal_bounds=false spread_weight=1.0 page_size=8
-                    group_reduce=sum rerank_interval=1 rerank_warmup=16)
+                    group_reduce=sum rerank_interval=1 rerank_warmup=16 host_dtype=float8_e4m3fn)
             echo "+ levers: ppl"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --oracle --oracle-candidates 2 --method "${levers[@]/#/budget=192,}" --out "$root/levers/ppl-1.5k"
+            echo "+ levers: ppl with 8-token pages (the page size is the folder's: its oracle rows use it too)"
+            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
+                --page-size 8 --oracle --oracle-candidates 2 4 --method budget=192,rerank_interval=1 \
+                budget=192,rerank_interval=4 budget=192,rerank_interval=2 budget=192,rerank_warmup=16 \
+                --out "$root/levers/ppl-1.5k-page8"
             echo "+ levers: niah_single_1 4k"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite synthetic \
                 --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 --oracle \
