@@ -49,7 +49,8 @@ for model in ${models[@]}; do
         qwen2.5-coder)  # 32k context window: 8k prompts; perplexity at 2k (one core's time)
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/ppl-2k" 256 128 budget=256,profile=online \
                 budget=128,profile=online budget=256,rerank_warmup=16 budget=128,rerank_warmup=16 \
-                budget=256,host_dtype=float8_e4m3fn -- --suite ppl \
+                budget=256,host_dtype=float8_e4m3fn budget=256,page_size=8,rerank_interval=2 \
+                budget=256,page_size=8,rerank_interval=2,profile=online -- --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
@@ -79,7 +80,7 @@ for model in ${models[@]}; do
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --page-size 8 --oracle --oracle-candidates 2 4 --method budget=192,rerank_interval=1 \
                 budget=192,rerank_interval=4 budget=192,rerank_interval=2 budget=192,rerank_warmup=16 \
-                --out "$root/levers/ppl-1.5k-page8"
+                budget=192,rerank_interval=2,host_dtype=float8_e4m3fn --out "$root/levers/ppl-1.5k-page8"
             echo "+ levers: niah_single_1 4k"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite synthetic \
                 --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 --oracle \

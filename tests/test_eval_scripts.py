@@ -105,3 +105,13 @@ def test_gpu_scripts_reach_internals_that_exist() -> None:
     assert inputs.kmin is storage.meta.kmin and inputs.page_size == settings.page_size
     for name in ("score_unstable_pages", "list_pages", "selection_warps", "SCORE_BLOCK", "SCORE_WARPS", "TABLE_WARPS"):
         assert hasattr(triton_select, name), name
+
+
+def test_accuracy_cost_reads_the_committed_runs(tmp_path: Path) -> None:
+    """eval/accuracy_cost.py finds every setting it lists in the committed GPU and CPU results and draws them."""
+    out = run_script("accuracy_cost.py", "--out", str(tmp_path / "accuracy_cost.png"))
+    assert "| 8-token pages, every 2 steps |" in out and "| defaults (16-token pages" in out
+    assert (tmp_path / "accuracy_cost.png").stat().st_size > 0
+    table = out.split("\n\nwrote")[0].strip()
+    assert table in (EVAL / "RESULTS.md").read_text(), (
+        "eval/RESULTS.md's accuracy-cost table is out of date: python eval/accuracy_cost.py --update eval/RESULTS.md")

@@ -1,9 +1,9 @@
 """``host_dtype="float8_e4m3fn"``: the stable heads' pages sit in the host tier as 8-bit floats.
 
-What goes through the tier (every prompt token of a stable head) attends rounded to float8 once promoted; decode
-tokens, unstable heads and the page min/max stay exact. Checked against a dense decode over exactly those rounded
-keys and values (fp64, ~1e-10), and in the byte accounting (host bytes and host-device traffic halve per byte of
-KV dtype they replace)."""
+What goes through the tier (every prompt token of a stable head) attends rounded to float8 once promoted, keys
+rounded about their (request, head)'s centre (the mean of its prompt keys); decode tokens, unstable heads and the
+page min/max stay exact. Checked against a dense decode over exactly those rounded keys and values (fp64, ~1e-10),
+and in the byte accounting (host bytes and host-device traffic halve per byte of KV dtype they replace)."""
 
 from __future__ import annotations
 
@@ -30,15 +30,21 @@ def greedy_logits(model, ids: torch.Tensor, cache, new_tokens: int, after_prefil
     return logits
 
 
+def rounded(tensor: torch.Tensor, centre: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """``tensor`` as it comes back from a float8 tier that stores it less ``centre``."""
+    return ((tensor - centre).to(FP8).to(tensor.dtype) + centre).to(tensor.dtype)
+
+
 def round_stable_prompt(profile, prompt_length: int):
-    """What the float8 tier does to a DynamicCache after the prefill: the stable heads' prompt KV rounded."""
+    """What the float8 tier does to a DynamicCache after the prefill: the stable heads' prompt KV rounded, the keys
+    about their mean over the prompt."""
 
     def apply(cache: DynamicCache) -> None:
         for index, layer in enumerate(cache.layers):
             stable = [head for head in range(layer.keys.shape[1]) if head not in profile.unstable_heads_of(index)]
-            for tensor in (layer.keys, layer.values):
-                part = tensor[:, stable, :prompt_length]
-                tensor[:, stable, :prompt_length] = part.to(FP8).to(tensor.dtype)
+            keys, values = layer.keys[:, stable, :prompt_length], layer.values[:, stable, :prompt_length]
+            layer.keys[:, stable, :prompt_length] = rounded(keys, keys.mean(dim=2, keepdim=True))
+            layer.values[:, stable, :prompt_length] = rounded(values)
 
     return apply
 
@@ -93,8 +99,9 @@ def test_bad_host_dtype_is_refused_with_the_choices(bad):
 
 
 def test_float8_tier_pages_under_reranks_and_evictions():
-    """A small budget over many steps: the tier holds every full page rounded; a selected slot holds a prompt
-    page rounded (it came from the tier) and a page retired during decode exact or rounded (re-promoted)."""
+    """A small budget over many steps: the tier holds every full page rounded (keys less their row's centre, the
+    mean of its prompt keys); a selected slot holds a prompt page rounded (it came from the tier) and a page retired
+    during decode exact or rounded (re-promoted)."""
     from conftest import Driver
 
     config = tiny_config("llama", group=2, num_kv_heads=2, num_layers=2, head_dim=8)
@@ -114,13 +121,16 @@ def test_float8_tier_pages_under_reranks_and_evictions():
             prompt_pages = (real_keys.shape[1] - 23) // page_size
             for local, head in enumerate(layer.stable_heads):
                 row = b * len(layer.stable_heads) + local
-                for stored, real in ((off.host.k, real_keys), (off.host.v, real_values)):
+                centre = real_keys[head, : real_keys.shape[1] - 23].mean(0)  # over the prompt's keys
+                torch.testing.assert_close(off.key_centre[row], centre, rtol=0, atol=1e-12)
+                centre = off.key_centre[row]
+                for stored, real, offset in ((off.host.k, real_keys, centre), (off.host.v, real_values, 0.0)):
                     held = stored[b, local, :full_pages].reshape(-1, real.shape[-1])
-                    assert torch.equal(held.float(), real[head, : full_pages * page_size].to(FP8).float())
+                    expected = (real[head, : full_pages * page_size] - offset).to(FP8)
+                    assert torch.equal(held.float(), expected.float())
                 for slot, page in enumerate(off.selected[row].tolist()):
                     if page < 0:
                         continue
                     exact = real_keys[head, page * page_size:(page + 1) * page_size]
-                    rounded = exact.to(FP8).to(exact.dtype)
                     held = off.pool.k[off.base + row * off.k + slot]
-                    assert torch.equal(held, rounded) or (page >= prompt_pages and torch.equal(held, exact))
+                    assert torch.equal(held, rounded(exact, centre)) or (page >= prompt_pages and torch.equal(held, exact))

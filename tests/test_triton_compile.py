@@ -59,18 +59,28 @@ def test_append_token_kernel_compiles() -> None:
     compile_for_hopper(triton_select._append_token_kernel, dict(PAGE_SIZE=16, HEAD_DIM=128))
 
 
+FP8_HOST = "*fp8e4nv"  # a float8 host tier (host_dtype="float8_e4m3fn"), its keys centred in fp32
+
+
 @pytest.mark.parametrize("page", [2048, 1536])
-def test_copy_pages_kernel_compiles(page: int) -> None:
-    compile_for_hopper(triton_transfer._copy_pages_kernel, dict(PAGE=page, BLOCK=2048), {"mask_ptr": "*i1"})
+@pytest.mark.parametrize("centre_sign", [0, 1, -1])  # plain copy; from a centred float8 tier; to it
+def test_copy_pages_kernel_compiles(page: int, centre_sign: int) -> None:
+    host = {1: {"src_k_ptr": FP8_HOST, "src_v_ptr": FP8_HOST},
+            -1: {"dst_k_ptr": FP8_HOST, "dst_v_ptr": FP8_HOST}}.get(centre_sign, {})
+    compile_for_hopper(triton_transfer._copy_pages_kernel,
+                       dict(PAGE=page, HEAD_DIM=128, BLOCK=2048, CENTRE_SIGN=centre_sign),
+                       {"mask_ptr": "*i1", "centre_ptr": "*fp32", **host})
 
 
 @pytest.mark.parametrize("slots_per_row", [63, 1])
 @pytest.mark.parametrize("full_only", [False, True])
-def test_retire_tails_kernel_compiles(slots_per_row: int, full_only: bool) -> None:
+@pytest.mark.parametrize("centred", [False, True])
+def test_retire_tails_kernel_compiles(slots_per_row: int, full_only: bool, centred: bool) -> None:
+    host = {"host_k_ptr": FP8_HOST, "host_v_ptr": FP8_HOST} if centred else {}
     compile_for_hopper(triton_transfer._retire_tails_kernel,
-                       dict(K=slots_per_row + 1, PAGE_SIZE=16, PAGE=2048, BLOCK=2048,
-                            BLOCK_K=triton.next_power_of_2(slots_per_row), FULL_ONLY=full_only),
-                       {"scores_ptr": "*fp32"})
+                       dict(K=slots_per_row + 1, PAGE_SIZE=16, PAGE=2048, HEAD_DIM=128, BLOCK=2048,
+                            BLOCK_K=triton.next_power_of_2(slots_per_row), FULL_ONLY=full_only, CENTRED=centred),
+                       {"scores_ptr": "*fp32", "centre_ptr": "*fp32", **host})
 
 
 @pytest.mark.parametrize("num_heads", [1, 6])
@@ -87,6 +97,9 @@ def test_rerank_kernel_compiles(slots: int, block_s: int) -> None:
 
 
 @pytest.mark.parametrize("head_dim", [128, 96])
-def test_write_tokens_kernel_compiles(head_dim: int) -> None:
+@pytest.mark.parametrize("centred", [False, True])
+def test_write_tokens_kernel_compiles(head_dim: int, centred: bool) -> None:
+    host = {"host_k_ptr": FP8_HOST, "host_v_ptr": FP8_HOST} if centred else {}
     compile_for_hopper(triton_transfer._write_tokens_kernel,
-                       dict(PAGE_SIZE=16, HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(head_dim)))
+                       dict(PAGE_SIZE=16, HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(head_dim), CENTRED=centred),
+                       {"centre_ptr": "*fp32", **host})

@@ -173,17 +173,21 @@ def check_topk() -> None:
 
 def check_transfers() -> None:
     """Promotions and tail retirements through the zero-copy kernels leave the state torch indexing leaves; with a
-    rerank interval of 48 several tails retire between two reranks (each takes over the lowest-scored slot)."""
+    rerank interval of 48 several tails retire between two reranks (each takes over the lowest-scored slot). A host
+    tier narrower than the KV (keys stored less their row's centre) is checked as a float16 tier under this float32
+    model: the interpreter's float8 rounding is not the GPU's (the float8 tier itself: tests/test_gpu_flashinfer.py)."""
     from transfer_checks import assert_same_transfer_outcome, transfer_outcome
 
-    from flexicache import FlexiCache, HeadProfile, offload
+    from flexicache import FlexiCache, FlexiCacheConfig, HeadProfile, offload
 
     torch.cuda.synchronize = lambda *args, **kwargs: None  # the kernel runs on CPU tensors here
     model = tiny_model()
     profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1)])
     ids, mask = padded_batch()
     original_init = offload.OffloadedPages.__init__
-    for rerank_interval in (16, 48):
+    original_host_dtype = FlexiCacheConfig.host_tier_dtype
+    for rerank_interval, narrow in ((16, False), (48, False), (16, True)):
+        FlexiCacheConfig.host_tier_dtype = (lambda self, kv_dtype: torch.float16) if narrow else original_host_dtype
         results = {}
         for zero_copy in (True, False):
             def init(self, *args, zero_copy=zero_copy, **kwargs):
@@ -197,6 +201,7 @@ def check_transfers() -> None:
                                      do_sample=False, output_logits=True, return_dict_in_generate=True)
             stable = [layer.storage.offloaded for layer in cache.layers if layer.storage.offloaded is not None]
             assert all(offloaded.zero_copy is zero_copy for offloaded in stable)
+            assert all((offloaded.key_centre is not None) is narrow for offloaded in stable)
             results[zero_copy] = transfer_outcome(cache, out.logits)
         assert_same_transfer_outcome(results[True], results[False])
 

@@ -36,7 +36,8 @@ def assert_same_transfer_outcome(one: tuple, other: tuple) -> None:
 def assert_selected_slots_hold_their_pages(cache: FlexiCache) -> None:
     """The stable heads' invariant: every device selection slot holds the host page it lists (the page a rerank
     promoted or a tail retirement moved there; full pages never change on the host): exactly, or, for a tier
-    narrower than the KV (``host_dtype``), a slot that rounds to it (a retired tail stays exact on the device)."""
+    narrower than the KV (``host_dtype``), a slot that rounds to it, keys less their row's centre (a retired tail
+    stays exact on the device)."""
     for index, layer in enumerate(cache.layers):
         pages = layer.storage.offloaded
         if pages is None:
@@ -45,8 +46,12 @@ def assert_selected_slots_hold_their_pages(cache: FlexiCache) -> None:
         row, column = (pages.selected >= 0).nonzero(as_tuple=True)
         device_slot = pages.base + row * pages.k + column
         host_page = (row * pages.host.k.shape[2] + pages.selected[row, column]).to(host_k.device)
-        for device_pages, host_pages in ((pages.pool.k, host_k), (pages.pool.v, host_v)):
-            held = device_pages[device_slot].to(host_pages.dtype).cpu().view(torch.uint8)
+        centre = 0.0 if pages.key_centre is None else pages.key_centre[row].unsqueeze(1)
+        for device_pages, host_pages, offset in ((pages.pool.k, host_k, centre), (pages.pool.v, host_v, 0.0)):
+            held = device_pages[device_slot]
+            if pages.key_centre is not None:
+                held = held.to(pages.key_centre.dtype) - offset
+            held = held.to(host_pages.dtype).cpu().view(torch.uint8)
             differs = (held != host_pages[host_page].cpu().view(torch.uint8)).flatten(1).any(1)
             assert not bool(differs.any()), (
                 f"layer {index}: selection slots {device_slot[differs.to(device_slot.device)].tolist()} do not hold "

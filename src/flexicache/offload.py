@@ -6,6 +6,10 @@ tier. A rerank scores every full page from the device-resident min/max metadata 
 promoted pages to the device; a tail page that fills is copied to the host and takes over a selected slot
 until the next rerank decides.
 
+A host tier narrower than the KV (``host_dtype="float8_e4m3fn"``) stores each key less its row's centre (the mean
+of the request's first-chunk keys for that head, fp32): a head's per-channel offsets, large in some models, would
+otherwise take the few mantissa bits its variation needs. Promotions add the centre back.
+
 On CUDA with Triton, page moves between the pinned host tier and the device run as zero-copy kernels
 (:mod:`flexicache.backends.triton_transfer`) driven by device-side indices: reranks, promotions and tail
 retirements never synchronise the host with the device. Elsewhere they use torch indexing.
@@ -50,7 +54,8 @@ class OffloadedPages:
     The rows' ``B * h * K`` device slots are one range of the layer's :class:`PagePool` starting at ``base``:
     the slot of (row ``r``, position ``j``) is ``base + r * K + j``;
     ``selected``: ``[B * h, K - 1]`` page held by each selection slot (``-1`` = empty);
-    ``selected_scores``: ``[B * h, K - 1]`` score of that page at the last rerank (``+inf`` = keep).
+    ``selected_scores``: ``[B * h, K - 1]`` score of that page at the last rerank (``+inf`` = keep);
+    ``key_centre``: ``[B * h, D]`` what the host tier's keys are stored less (a narrower tier only, else ``None``).
     """
 
     def __init__(self, pool: PagePool, batch_size: int, num_heads: int, pages_per_head: int, page_size: int,
@@ -67,6 +72,8 @@ class OffloadedPages:
         self.all_requests = torch.arange(batch_size, device=device)
         self.host = HostTier(batch_size, num_heads, page_size, head_dim, host_dtype or dtype,
                              pin_memory=host_tier.pins_host_tier(device), capacity=host_pages)
+        self.key_centre = None if self.host.k.dtype == dtype else torch.zeros(
+            rows, head_dim, dtype=torch.promote_types(dtype, torch.float32), device=device)
         self.counters = TransferCounters()
         self.steps_since_rerank = 0
         self.steps_since_prompt = 0  # decode steps since the last prompt chunk (the rerank warm-up)
@@ -118,7 +125,8 @@ class OffloadedPages:
             from flexicache.backends.triton_transfer import retire_tails
 
             retire_tails(self._device_pages(), self.host.pages(), self.selected, self.selected_scores, batch,
-                         plan.before, self.base, self.num_heads, self.host.k.shape[2], self.page_size)
+                         plan.before, self.base, self.num_heads, self.host.k.shape[2], self.page_size,
+                         centre=self.key_centre)
             self.counters.bytes_d2h += self._host_page_bytes(batch.numel() * self.num_heads)
             return
         page = (plan.before[batch] - 1) // self.page_size  # [n] the full tail page of each request
@@ -154,7 +162,7 @@ class OffloadedPages:
 
         retire_tails(self._device_pages(), self.host.pages(), self.selected, self.selected_scores,
                      self.all_requests, before, self.base, self.num_heads, self.host.k.shape[2], self.page_size,
-                     full_only=True)
+                     full_only=True, centre=self.key_centre)
 
     def tail_slots(self) -> torch.Tensor:
         """``[B, h]`` tail slot of every row."""
@@ -163,27 +171,63 @@ class OffloadedPages:
 
     def _offload_tails(self, batch: torch.Tensor, page: torch.Tensor, tail_slots: torch.Tensor) -> None:
         """Copy the tail slots ``[n * h]`` of requests ``batch [n]`` to host page ``page [n]`` (one per request)."""
-        self._copy_pages(self._device_pages(), self.host.pages(), tail_slots, self._host_page_index(batch, page),
-                         torch.ones_like(tail_slots, dtype=torch.bool))
+        self._to_host(tail_slots, self._host_page_index(batch, page), torch.ones_like(tail_slots, dtype=torch.bool))
         self.counters.bytes_d2h += self._host_page_bytes(batch.numel() * self.num_heads)
 
     def _device_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pool.k, self.pool.v
 
-    def _copy_pages(self, source: tuple[torch.Tensor, torch.Tensor], target: tuple[torch.Tensor, torch.Tensor],
-                    source_index: torch.Tensor, target_index: torch.Tensor, mask: torch.Tensor) -> None:
-        """``target[target_index[i]] = source[source_index[i]]`` (keys and values) where ``mask[i]``, cast to the
-        target's dtype (the host tier's may be narrower)."""
+    def _to_device(self, host_index: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> None:
+        """``pool[slots[i]] = host page host_index[i]`` (keys and values) where ``mask[i]``: cast to the KV dtype,
+        the keys' centre added back."""
+        self._move(self.host.pages(), self._device_pages(), host_index, slots, mask, 1)
+
+    def _to_host(self, slots: torch.Tensor, host_index: torch.Tensor, mask: torch.Tensor) -> None:
+        """``host page host_index[i] = pool[slots[i]]`` where ``mask[i]``: the keys less their centre, cast to the
+        tier's dtype."""
+        self._move(self._device_pages(), self.host.pages(), slots, host_index, mask, -1)
+
+    def _move(self, source: tuple[torch.Tensor, torch.Tensor], target: tuple[torch.Tensor, torch.Tensor],
+              source_index: torch.Tensor, target_index: torch.Tensor, mask: torch.Tensor, centre_sign: int) -> None:
+        """Pages between the tier and the device; ``centre_sign`` +1: from the tier (its index is the source's),
+        -1: to it."""
+        pages_per_row = self.host.k.shape[2]
         if self.zero_copy:
             from flexicache.backends.triton_transfer import copy_pages
 
-            copy_pages(source, target, source_index, target_index, mask)
+            copy_pages(source, target, source_index, target_index, mask, self.key_centre, centre_sign, pages_per_row)
             return
         chosen = mask.nonzero().view(-1)
         source_index = source_index[chosen].to(source[0].device)
         target_index = target_index[chosen].to(target[0].device)
-        for source_pages, target_pages in zip(source, target):
-            target_pages[target_index] = source_pages[source_index].to(target_pages.device, target_pages.dtype)
+        keys = source[0][source_index].to(target[0].device)
+        if self.key_centre is not None:
+            host_index = source_index if centre_sign > 0 else target_index
+            centre = self.key_centre[host_index.to(self.key_centre.device) // pages_per_row].to(target[0].device)
+            keys = keys.to(centre.dtype) + centre_sign * centre.unsqueeze(1)
+        target[0][target_index] = keys.to(target[0].dtype)
+        target[1][target_index] = source[1][source_index].to(target[1].device, target[1].dtype)
+
+    def _host_keys(self, keys: torch.Tensor, requests: torch.Tensor) -> torch.Tensor:
+        """``keys [N, h, D]`` of requests ``requests [N]`` as the host tier stores them (less their centre)."""
+        if self.key_centre is None:
+            return keys
+        centre = self.key_centre.view(-1, self.num_heads, keys.shape[-1])[requests]
+        return keys.to(centre.dtype) - centre
+
+    def _set_key_centre(self, new_keys: torch.Tensor, plan: AppendPlan) -> None:
+        """A narrower tier's centre for every request whose first chunk ``new_keys [N, h, D]`` (plan order) is:
+        the mean of its real keys, per head."""
+        if self.key_centre is None:
+            return
+        batch_size = self.num_rows // self.num_heads
+        centre = self.key_centre.view(batch_size, self.num_heads, -1)
+        sums = torch.zeros_like(centre).index_add_(0, plan.batch, new_keys.to(centre.dtype))
+        ones = torch.ones(plan.batch.numel(), dtype=centre.dtype, device=centre.device)
+        counts = torch.zeros(batch_size, dtype=centre.dtype, device=centre.device).index_add_(0, plan.batch, ones)
+        counts = counts.view(-1, 1, 1)  # (index_add, not bincount: no host sync)
+        first = ((plan.before == 0) & (counts.view(-1) > 0)).view(-1, 1, 1)
+        centre.copy_(torch.where(first, sums / counts.clamp(min=1), centre))  # in place: graphs read this storage
 
     def _reserve_host(self, num_pages: int) -> None:
         """Grow the host tier; on CUDA wait first for the kernels that may still read or write the old one."""
@@ -202,28 +246,28 @@ class OffloadedPages:
         if started.numel():  # the old tail page may be partial and exist on the device only
             self._offload_tails(started, (plan.before[started] - 1) // self.page_size, self._tail_slots(started))
         self.counters.bytes_d2h += 2 * new_keys.numel() * self.host.k.element_size()
+        self._set_key_centre(new_keys, plan)
         nonempty = (plan.after_host > 0).nonzero().view(-1)
         if self.zero_copy:  # the device writes the tokens into the pinned tier and reads the tails back: no sync
             from flexicache.backends.triton_transfer import copy_pages, write_tokens
 
             write_tokens(new_keys, new_values, self.host.pages(), plan.batch, plan.page, plan.offset,
-                         self.host.k.shape[2])
+                         self.host.k.shape[2], centre=self.key_centre)
             requests = host_to_device(nonempty, device)
             tail_page = (plan.after[requests] - 1) // self.page_size
             tail_slots = self._tail_slots(requests)
             copy_pages(self.host.pages(), self._device_pages(), self._host_page_index(requests, tail_page), tail_slots,
-                       torch.ones_like(tail_slots, dtype=torch.int8))
+                       torch.ones_like(tail_slots, dtype=torch.int8), self.key_centre, 1, self.host.k.shape[2])
             self.counters.bytes_h2d += self._host_page_bytes(nonempty.numel() * self.num_heads)
             return
         batch_host, page_host, offset_host = plan.batch.cpu(), plan.page.cpu(), plan.offset.cpu()
-        self.host.k[batch_host, :, page_host, offset_host] = new_keys.to("cpu", self.host.k.dtype)
+        self.host.k[batch_host, :, page_host, offset_host] = self._host_keys(new_keys, plan.batch).to(
+            "cpu", self.host.k.dtype)
         self.host.v[batch_host, :, page_host, offset_host] = new_values.to("cpu", self.host.v.dtype)
-        tail_page = (plan.after_host[nonempty] - 1) // self.page_size
-        tails_k = self.host.k[nonempty, :, tail_page].reshape(-1, self.page_size, self.pool.k.shape[-1])
-        tails_v = self.host.v[nonempty, :, tail_page].reshape(-1, self.page_size, self.pool.k.shape[-1])
-        tail_slots = self._tail_slots(nonempty.to(self.pool.k.device))
-        self.pool.k[tail_slots] = tails_k.to(self.pool.k.device, self.pool.k.dtype, non_blocking=True)
-        self.pool.v[tail_slots] = tails_v.to(self.pool.v.device, self.pool.v.dtype, non_blocking=True)
+        tail_page = host_to_device((plan.after_host[nonempty] - 1) // self.page_size, device)
+        requests = host_to_device(nonempty, device)
+        self._to_device(self._host_page_index(requests, tail_page), self._tail_slots(requests),
+                        torch.ones_like(self._tail_slots(requests), dtype=torch.bool))
         self.counters.bytes_h2d += self._host_page_bytes(nonempty.numel() * self.num_heads)
 
     # ----------------------------------------------------------------------------------------- crop, reorder
@@ -242,8 +286,7 @@ class OffloadedPages:
         if moved.numel():
             batch, page = host_to_device(moved, device), host_to_device(new_pages[moved] - 1, device)
             tail_slots = self._tail_slots(batch)
-            self._copy_pages(self.host.pages(), self._device_pages(), self._host_page_index(batch, page), tail_slots,
-                             torch.ones_like(tail_slots, dtype=torch.bool))
+            self._to_device(self._host_page_index(batch, page), tail_slots, torch.ones_like(tail_slots, dtype=torch.bool))
             self._count_copied_to_device(moved.numel() * self.num_heads)
 
     def tail_keys(self, batch: torch.Tensor) -> torch.Tensor:
@@ -270,6 +313,8 @@ class OffloadedPages:
         for target, request in enumerate(index.tolist()):
             self.host.k[target].copy_(source.host.k[request])
             self.host.v[target].copy_(source.host.v[request])
+        if source.key_centre is not None:
+            self.key_centre.copy_(source.key_centre[rows])
         self.counters, self.steps_since_rerank = source.counters, source.steps_since_rerank
         self.steps_since_prompt = source.steps_since_prompt
 
@@ -289,16 +334,16 @@ class OffloadedPages:
 
             if fits_fused_rerank(scores, self.k - 1):  # the same result as below, in two launches
                 promoted = rerank_rows(scores.contiguous(), num_full_pages, self.selected, self.selected_scores,
-                                       self.host.pages(), self._device_pages(), self.base, self.host.k.shape[2])
+                                       self.host.pages(), self._device_pages(), self.base, self.host.k.shape[2],
+                                       self.key_centre)
                 self._count_promotions(promoted)
                 return
         new_pages, promoted, target_cols, selected = update_selection(scores, num_full_pages, self.selected)
         slots_per_row = self.k - 1
         rows = torch.arange(promoted.shape[0], device=promoted.device).unsqueeze(1)
-        self._copy_pages(self.host.pages(), self._device_pages(),
-                         (rows * self.host.k.shape[2] + new_pages.clamp(min=0)).view(-1),
-                         (self.base + rows * self.k + target_cols.clamp(max=slots_per_row - 1)).view(-1),
-                         promoted.view(-1))
+        self._to_device((rows * self.host.k.shape[2] + new_pages.clamp(min=0)).view(-1),
+                        (self.base + rows * self.k + target_cols.clamp(max=slots_per_row - 1)).view(-1),
+                        promoted.view(-1))
         self._count_promotions(promoted.sum())
         self.selected.copy_(selected)  # in place: captured decode graphs read this storage
         page_scores = scores.gather(1, selected.clamp(min=0)).to(self.selected_scores.dtype)
@@ -348,10 +393,13 @@ class OffloadedPages:
         device, dtype, head_dim = self.pool.k.device, self.pool.k.dtype, self.pool.k.shape[-1]
         batch_size = self.num_rows // self.num_heads
         if self.host.pin_memory:  # copies from the page-locked tier, ordered after the kernels that write it
-            keys, values = (pages.to(dtype) for pages in self.host.to_device(num_pages, device))
+            keys, values = self.host.to_device(num_pages, device)
         else:
-            keys, values = (pages[:, :, :num_pages].to(device, dtype, copy=True, memory_format=torch.contiguous_format)
+            keys, values = (pages[:, :, :num_pages].to(device, copy=True, memory_format=torch.contiguous_format)
                             for pages in (self.host.k, self.host.v))
+        if self.key_centre is not None:  # [B, h, P, ps, D] less the centre of each (request, head)
+            keys = keys.to(self.key_centre.dtype) + self.key_centre.view(batch_size, self.num_heads, 1, 1, -1)
+        keys, values = keys.to(dtype), values.to(dtype)
         nonempty = (num_tokens > 0).nonzero().view(-1)
         tail_page = ((num_tokens[nonempty] - 1) // self.page_size).to(device)
         nonempty = nonempty.to(device)

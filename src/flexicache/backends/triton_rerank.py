@@ -78,7 +78,8 @@ def fits_fused_rerank(scores: torch.Tensor, slots: int) -> bool:
 
 def rerank_rows(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: torch.Tensor,
                 selected_scores: torch.Tensor, host: tuple[torch.Tensor, torch.Tensor],
-                pool: tuple[torch.Tensor, torch.Tensor], base: int, host_pages_per_row: int) -> torch.Tensor:
+                pool: tuple[torch.Tensor, torch.Tensor], base: int, host_pages_per_row: int,
+                centre: torch.Tensor | None = None) -> torch.Tensor:
     """Rerank every stable row: select the top ``K - 1`` full pages (sink forced), keep the slots of pages still
     selected, give each newly promoted page a free slot and copy it there from the host tier.
 
@@ -88,6 +89,7 @@ def rerank_rows(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: to
         selected, selected_scores: ``[R, K - 1]`` int64 / fp32 selection state, updated in place.
         host: the host tier ``(k, v)`` as pinned pages ``[R * P, ps, D]``; pool: the device pages ``[S, ps, D]``,
             row ``r``'s slots at ``base + r * K + j``.
+        centre: ``[R, D]`` fp32 key centre of each row, added back to the promoted keys (a centred host tier).
 
     Returns:
         ``[1]`` int64 device tensor: pages promoted (copied host to device) by this rerank.
@@ -106,5 +108,5 @@ def rerank_rows(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: to
         scores.stride(0), base, host_pages_per_row, SLOTS=slots, BLOCK_K=block_k, BLOCK_S=block_s,
         num_warps=selection_warps(block_s),
     )
-    copy_pages(host, pool, indices[1], indices[2], copy_mask)
+    copy_pages(host, pool, indices[1], indices[2], copy_mask, centre, 1, host_pages_per_row)
     return promoted

@@ -1,0 +1,138 @@
+"""What accuracy costs: each page-selection setting's decode step (GPU) against its perplexity (real model, CPU).
+
+The step is the setting's p50 over the defaults' p50 of the same GPU run (``flexicache bench --cases decode``,
+Llama-3.1-8B shape, 32 layers, 32k x batch 8, budget 1024; folders under ``eval/results/gpu/``); the perplexity is
+SmolLM2-135M's decode-mode perplexity over dense at budget 1/8 (``eval/results/cpu/levers/``, made by
+``bash eval/run_cpu_results.sh eval/results/cpu levers``). Writes a PNG, prints the table and, with ``--update``,
+puts it between the ``<!-- accuracy-cost -->`` markers of a markdown file (``eval/RESULTS.md``).
+
+Usage: ``python eval/accuracy_cost.py [--out eval/results/accuracy_cost.png] [--update eval/RESULTS.md]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent / "results"
+TARGET = 1.02  # the accuracy issue's perplexity target at budget 1/8: within +2% of dense
+START, END = "<!-- accuracy-cost -->", "<!-- /accuracy-cost -->"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its label, where its step was timed (GPU folder, system) and its perplexity (CPU folder, row)."""
+
+    label: str
+    gpu_run: str
+    system: str
+    cpu_folder: str
+    method: str
+
+
+DEFAULT_SYSTEM = "flexicache-1024"
+SETTINGS = (
+    Setting("defaults (16-token pages, stable heads every 16 steps)", "decode_rerank_page", DEFAULT_SYSTEM,
+            "ppl-1.5k", "flexicache@192"),
+    Setting("float8 host tier", "host_dtype", "flexicache-1024:host_dtype=float8_e4m3fn", "ppl-1.5k",
+            "flexicache@192,host_dtype=float8_e4m3fn"),
+    Setting("stable heads every step", "decode_rerank_page", "flexicache-1024:rerank_interval=1", "ppl-1.5k",
+            "flexicache@192,rerank_interval=1"),
+    Setting("8-token pages", "decode_rerank_page", "flexicache-1024:page_size=8", "ppl-1.5k-page8", "flexicache@192"),
+    Setting("8-token pages, every 4 steps", "decode_rerank_page", "flexicache-1024:page_size=8,rerank_interval=4",
+            "ppl-1.5k-page8", "flexicache@192,rerank_interval=4"),
+    Setting("8-token pages, every 2 steps", "decode_page8_ri2", "flexicache-1024:page_size=8,rerank_interval=2",
+            "ppl-1.5k-page8", "flexicache@192,rerank_interval=2"),
+    Setting("8-token pages, every 2 steps, float8 host tier", "decode_page8_ri2",
+            "flexicache-1024:page_size=8,rerank_interval=2,host_dtype=float8_e4m3fn", "ppl-1.5k-page8",
+            "flexicache@192,rerank_interval=2,host_dtype=float8_e4m3fn"),
+    Setting("8-token pages, every step", "decode_rerank_page", "flexicache-1024:page_size=8,rerank_interval=1",
+            "ppl-1.5k-page8", "flexicache@192,rerank_interval=1"),
+)
+ORACLES = (("oracle pages, 16 tokens", "ppl-1.5k"), ("oracle pages, 8 tokens", "ppl-1.5k-page8"))
+LABEL_BELOW = {"8-token pages, every 2 steps, float8 host tier"}  # points whose label would overlap a neighbour's
+
+
+def step_ratio(run: str, system: str) -> tuple[float, float]:
+    """``(p50 ms, p50 / the defaults' p50 in the same run)`` of ``system`` in GPU run folder ``run``."""
+    rows = json.loads((ROOT / "gpu" / run / "bench.json").read_text())["cases"]["decode"]["rows"]
+    p50 = {row["system"]: row["step_ms_p50"] for row in rows}
+    return p50[system], p50[system] / p50[DEFAULT_SYSTEM]
+
+
+def perplexity_ratio(folder: str, method: str) -> float:
+    """The decode-mode perplexity of ``method`` over dense's in CPU levers folder ``folder``."""
+    metrics = json.loads((ROOT / "cpu" / "levers" / folder / "metrics.json").read_text())
+    return metrics["tasks"]["ppl"]["ratio"][method]
+
+
+def table() -> tuple[str, list[tuple[str, float, float]]]:
+    """The markdown table and the ``(label, step ratio, perplexity ratio)`` points."""
+    lines = ["| setting | decode step, 32k x 8 (x the defaults') | perplexity at 1/8 (x dense) |", "|---|---|---|"]
+    points = []
+    for setting in SETTINGS:
+        ms, ratio = step_ratio(setting.gpu_run, setting.system)
+        ppl = perplexity_ratio(setting.cpu_folder, setting.method)
+        points.append((setting.label, ratio, ppl))
+        lines.append(f"| {setting.label} | {ms:.2f} ms ({ratio:.2f}x) | {ppl:.3f} |")
+    for label, folder in ORACLES:
+        lines.append(f"| {label} (reads every key: a ceiling, not a setting) | - | "
+                     f"{perplexity_ratio(folder, 'oracle@192'):.3f} |")
+    return "\n".join(lines), points
+
+
+def plot(points: list[tuple[str, float, float]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    right = max(ratio for _, ratio, _ in points) * 1.45
+    for label, ratio, ppl in points:
+        ax.scatter(ratio, ppl, color="tab:blue")
+        below = label in LABEL_BELOW
+        ax.annotate(label, (ratio, ppl), textcoords="offset points", xytext=(5, -10 if below else 4), fontsize=7)
+    for label, folder in ORACLES:
+        level = perplexity_ratio(folder, "oracle@192")
+        ax.axhline(level, color="grey", linestyle=":", linewidth=0.9)
+        ax.annotate(label, (right, level), textcoords="offset points", xytext=(-4, -9), fontsize=7, color="grey",
+                    ha="right")
+    ax.axhline(TARGET, color="tab:red", linestyle="--", linewidth=0.9)
+    ax.annotate("target: +2%", (right, TARGET), textcoords="offset points", xytext=(-4, 3), fontsize=7,
+                color="tab:red", ha="right")
+    ax.set_xlabel("decode step / the defaults' (GPU, Llama-3.1-8B shape, 32 layers, 32k x 8)")
+    ax.set_ylabel("perplexity / dense (SmolLM2-135M, CPU, budget 1/8)")
+    ax.set_title("What accuracy costs: page-selection settings", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.set_xlim(0.9, right)
+    ax.set_ylim(1.008, None)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def with_table(document: str, text: str) -> str:
+    """``document`` with ``text`` between its accuracy-cost markers."""
+    start, end = document.index(START) + len(START), document.index(END)
+    return document[:start] + "\n" + text + "\n" + document[end:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "accuracy_cost.png")
+    parser.add_argument("--update", type=Path, help="markdown file whose accuracy-cost block to rewrite")
+    args = parser.parse_args()
+    text, points = table()
+    plot(points, args.out)
+    print(text)
+    print(f"\nwrote {args.out}")
+    if args.update:
+        args.update.write_text(with_table(args.update.read_text(), text))
+        print(f"rewrote the accuracy-cost table of {args.update}")
+
+
+if __name__ == "__main__":
+    main()
