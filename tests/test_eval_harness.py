@@ -625,3 +625,18 @@ def test_cli_stop_strings_and_batches(model_dir, tmp_path):
     assert free["passkey-256-0"]["tokens"][:len(stopped["tokens"])] == stopped["tokens"]
     with pytest.raises(SystemExit, match="stop_strings"):  # resuming with other stop strings is refused
         eval_main(argv[:-4] + ["--stop-strings", "x"])
+
+
+def test_the_dense_row_decodes_without_the_no_flexicache_warning(model_dir, tmp_path, monkeypatch):
+    """The harness's dense row decodes through the flexicache attention with a DynamicCache on purpose (the rows
+    share one prefill): it must not tell the user to pass a FlexiCache."""
+    import warnings
+
+    from flexicache import warn_once
+
+    monkeypatch.setattr(warn_once, "GIVEN", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert eval_main(eval_args(model_dir, tmp_path / "syn", "--suite", "synthetic", "--tasks", "passkey",
+                                   "--lengths", "256", "--limit", "1", "--max-new-tokens", "3")) == 0
+    assert not [w for w in caught if "no FlexiCache was passed" in str(w.message)]

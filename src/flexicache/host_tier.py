@@ -65,7 +65,8 @@ class HostTier:
 
     def to_device(self, num_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``num_pages`` pages of every row as device ``[B, h, num_pages, ps, D]`` keys/values in the tier's
-        dtype: one asynchronous copy per row and tensor from the page-locked tier (a row's pages are contiguous in it)."""
+        dtype: one asynchronous copy per row and tensor from the page-locked tier (a row's pages are contiguous in
+        it)."""
         batch_size, num_heads, capacity, page_size, head_dim = self.k.shape
         copies = []
         for pages in (self.k, self.v):

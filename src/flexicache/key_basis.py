@@ -32,8 +32,8 @@ def symmetric_eigenvectors(matrices: torch.Tensor) -> torch.Tensor:
     in 35-110 ms on an H200 (``eval/gpu_eigh_overlap.py``, ``eval/gpu_prefill_breakdown.py --eigh``). Its axes of
     large variance agree with ``eigh``'s, those of tiny variance (which barely widen a box) may mix. A matrix whose
     basis stays above :data:`ORTHONORMAL_TOLERANCE` (a rank-deficient one) is solved by ``eigh`` in float64, and if
-    ``gesvda`` does not converge the whole batch is. Syncs with the host (torch's checks of ``gesvda`` and the fallback's):
-    it runs once per layer, at its first chunk, never inside a CUDA graph.
+    ``gesvda`` does not converge the whole batch is. Syncs with the host (torch's checks of ``gesvda`` and the
+    fallback's): it runs once per layer, at its first chunk, never inside a CUDA graph.
     """
     if matrices.device.type != "cuda" or torch.version.hip is not None:
         return torch.linalg.eigh(matrices).eigenvectors

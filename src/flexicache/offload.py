@@ -286,7 +286,8 @@ class OffloadedPages:
         if moved.numel():
             batch, page = host_to_device(moved, device), host_to_device(new_pages[moved] - 1, device)
             tail_slots = self._tail_slots(batch)
-            self._to_device(self._host_page_index(batch, page), tail_slots, torch.ones_like(tail_slots, dtype=torch.bool))
+            self._to_device(self._host_page_index(batch, page), tail_slots,
+                            torch.ones_like(tail_slots, dtype=torch.bool))
             self._count_copied_to_device(moved.numel() * self.num_heads)
 
     def tail_keys(self, batch: torch.Tensor) -> torch.Tensor:

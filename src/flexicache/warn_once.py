@@ -1,6 +1,7 @@
 """Warnings a process gives once: a hint due at every decode step would otherwise drown the output.
 
-:func:`warn_once` keys each warning by its message; tests reset :data:`GIVEN` for a fresh process's behaviour.
+:func:`warn_once` keys each warning by its message; tests reset :data:`GIVEN` for a fresh process's behaviour;
+:func:`never_warn` is for a caller that does on purpose what a warning is about.
 """
 
 from __future__ import annotations
@@ -16,3 +17,8 @@ def warn_once(message: str, category: type[Warning], stacklevel: int) -> None:
     if message not in GIVEN:
         GIVEN.add(message)
         warnings.warn(message, category, stacklevel=stacklevel + 1)
+
+
+def never_warn(message: str) -> None:
+    """Give ``message`` no more in this process (as if :func:`warn_once` had given it)."""
+    GIVEN.add(message)

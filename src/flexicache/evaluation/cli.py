@@ -191,7 +191,9 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``flexicache eval``."""
     import torch
 
+    from flexicache.attention import DENSE_DECODE_WARNING
     from flexicache.models import load_model
+    from flexicache.warn_once import never_warn
 
     from .runner import format_table, run_tasks
 
@@ -205,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
         datasets.disable_progress_bars()
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model, args.gguf_file, device=args.device, dtype=getattr(torch, args.dtype))
+    # the dense row decodes through the flexicache attention with a DynamicCache on purpose (its prefill is shared)
+    never_warn(DENSE_DECODE_WARNING)
     methods = build_methods(model, args)
     tasks = build_tasks(tokenizer, args)
     if args.stop_strings:
