@@ -65,6 +65,8 @@ for model in ${models[@]}; do
                 --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24
             eval_rows gemma3 "$root/gemma3/niah-8k" 1024 -- --suite synthetic \
                 --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
+            eval_rows gemma3 "$root/gemma3/ppl-2k" 256 budget=256,page_size=8,rerank_interval=2 -- --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
             ;;
         levers)  # SmolLM2, one budget: each option of the page selection (and the float8 host tier) on its own and
             # combined; perplexity also with the oracle among the top 2K pages by the box scores (the ceiling of an
