@@ -19,7 +19,7 @@ def transfer_outcome(cache: FlexiCache, logits: tuple[torch.Tensor, ...]) -> tup
     full_pages = [tokens // page_size for tokens in cache.sequence.num_tokens_host.tolist()]
     state = [tensor.clone() for storage in stored for tensor in
              (storage.offloaded.selected, storage.offloaded.selected_scores, storage.pool.k, storage.pool.v)]
-    state += [tier[request, :, :pages].clone().view(torch.uint8) for storage in stored  # bytes: any dtype
+    state += [tier[request, :, :pages].to(torch.float64) for storage in stored  # every tier dtype, by value
               for tier in (storage.offloaded.host.k, storage.offloaded.host.v)
               for request, pages in enumerate(full_pages)]
     return torch.stack(logits), state, cache.stats()
@@ -36,8 +36,8 @@ def assert_same_transfer_outcome(one: tuple, other: tuple) -> None:
 def assert_selected_slots_hold_their_pages(cache: FlexiCache) -> None:
     """The stable heads' invariant: every device selection slot holds the host page it lists (the page a rerank
     promoted or a tail retirement moved there; full pages never change on the host): exactly, or, for a tier
-    narrower than the KV (``host_dtype``), a slot that rounds to it, keys less their row's centre (a retired tail
-    stays exact on the device)."""
+    narrower than the KV (``host_dtype``), either the host page with its row's key centre added back (promoted) or a
+    page that rounds to the host page once the centre is taken off (a retired tail, exact on the device)."""
     for index, layer in enumerate(cache.layers):
         pages = layer.storage.offloaded
         if pages is None:
@@ -46,13 +46,18 @@ def assert_selected_slots_hold_their_pages(cache: FlexiCache) -> None:
         row, column = (pages.selected >= 0).nonzero(as_tuple=True)
         device_slot = pages.base + row * pages.k + column
         host_page = (row * pages.host.k.shape[2] + pages.selected[row, column]).to(host_k.device)
-        centre = 0.0 if pages.key_centre is None else pages.key_centre[row].unsqueeze(1)
-        for device_pages, host_pages, offset in ((pages.pool.k, host_k, centre), (pages.pool.v, host_v, 0.0)):
-            held = device_pages[device_slot]
-            if pages.key_centre is not None:
-                held = held.to(pages.key_centre.dtype) - offset
-            held = held.to(host_pages.dtype).cpu().view(torch.uint8)
-            differs = (held != host_pages[host_page].cpu().view(torch.uint8)).flatten(1).any(1)
+        centre = pages.key_centre
+        for device_pages, host_pages, centred in ((pages.pool.k, host_k, True), (pages.pool.v, host_v, False)):
+            held, stored = device_pages[device_slot].cpu(), host_pages[host_page].cpu()
+            if centre is None or not centred:
+                promoted = held == stored.to(held.dtype)
+                retired = held.to(stored.dtype).to(torch.float64) == stored.to(torch.float64)
+            else:  # [n, ps, D] against the slot's row centre [n, 1, D]
+                offset = centre[row].cpu().unsqueeze(1)
+                promoted = held == (stored.to(offset.dtype) + offset).to(held.dtype)
+                retired = (held.to(offset.dtype) - offset).to(stored.dtype).to(torch.float64) == stored.to(
+                    torch.float64)
+            differs = ~(promoted.flatten(1).all(1) | retired.flatten(1).all(1))
             assert not bool(differs.any()), (
                 f"layer {index}: selection slots {device_slot[differs.to(device_slot.device)].tolist()} do not hold "
                 f"the host pages they list")

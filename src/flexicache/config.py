@@ -49,9 +49,11 @@ class FlexiCacheConfig:
             selection kernels and recorded stable reranks work over the reserved pages: pass what the generation
             will use, not ``max_position_embeddings``. ``None``: buffers grow as tokens come (a quarter at a time).
         host_dtype: how the stable heads' pages are stored in the host tier: ``"auto"`` (the KV's own dtype: exact)
-            or ``"float8_e4m3fn"`` (8-bit floats, magnitudes above 448 saturated: half the host memory per sequence
-            and half the bytes of every promotion; a promoted page attends with the rounded keys and values). The
-            device copies of pages still being written, the page min/max and the unstable heads keep the KV dtype.
+            or ``"float8_e4m3fn"`` (8-bit floats, keys less their (request, head)'s median prompt key, magnitudes above
+            448 saturated: half the host memory per sequence and half the bytes of every promotion). Whatever comes
+            from the tier attends rounded (promoted pages, and the prompt's last partial page); tokens appended
+            during decode stay exact on the device until their page is evicted, and the page min/max and the
+            unstable heads keep the KV dtype.
     """
 
     token_budget: int = 2048

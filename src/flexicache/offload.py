@@ -6,9 +6,10 @@ tier. A rerank scores every full page from the device-resident min/max metadata 
 promoted pages to the device; a tail page that fills is copied to the host and takes over a selected slot
 until the next rerank decides.
 
-A host tier narrower than the KV (``host_dtype="float8_e4m3fn"``) stores each key less its row's centre (the mean
-of the request's first-chunk keys for that head, fp32): a head's per-channel offsets, large in some models, would
-otherwise take the few mantissa bits its variation needs. Promotions add the centre back.
+A host tier narrower than the KV (``host_dtype="float8_e4m3fn"``) stores each key less its row's centre (the
+per-channel median of the request's first-chunk keys for that head, in fp32, fp64 for fp64 KV): a head's
+per-channel offsets, large in some models, would otherwise take the few mantissa bits its variation needs.
+Promotions add the centre back.
 
 On CUDA with Triton, page moves between the pinned host tier and the device run as zero-copy kernels
 (:mod:`flexicache.backends.triton_transfer`) driven by device-side indices: reranks, promotions and tail
@@ -216,18 +217,17 @@ class OffloadedPages:
         return keys.to(centre.dtype) - centre
 
     def _set_key_centre(self, new_keys: torch.Tensor, plan: AppendPlan) -> None:
-        """A narrower tier's centre for every request whose first chunk ``new_keys [N, h, D]`` (plan order) is:
-        the mean of its real keys, per head."""
+        """A narrower tier's centre for every request whose first chunk ``new_keys [N, h, D]`` (plan order: request
+        by request) is: the per-channel median of its real keys, per head (a median, not a mean: one token with a
+        massive key, such as an attention sink, would drag a mean far enough to saturate the whole channel). Per
+        request, not an atomic scatter: the same values on every run and path."""
         if self.key_centre is None:
             return
-        batch_size = self.num_rows // self.num_heads
-        centre = self.key_centre.view(batch_size, self.num_heads, -1)
-        sums = torch.zeros_like(centre).index_add_(0, plan.batch, new_keys.to(centre.dtype))
-        ones = torch.ones(plan.batch.numel(), dtype=centre.dtype, device=centre.device)
-        counts = torch.zeros(batch_size, dtype=centre.dtype, device=centre.device).index_add_(0, plan.batch, ones)
-        counts = counts.view(-1, 1, 1)  # (index_add, not bincount: no host sync)
-        first = ((plan.before == 0) & (counts.view(-1) > 0)).view(-1, 1, 1)
-        centre.copy_(torch.where(first, sums / counts.clamp(min=1), centre))  # in place: graphs read this storage
+        centre = self.key_centre.view(-1, self.num_heads, new_keys.shape[-1])
+        counts = (plan.after_host - plan.before_host).tolist()  # host copies: no device sync
+        for request, (keys, first) in enumerate(zip(new_keys.split(counts), (plan.before_host == 0).tolist())):
+            if first and keys.shape[0]:
+                centre[request].copy_(keys.to(centre.dtype).median(dim=0).values)  # in place: graphs read it
 
     def _reserve_host(self, num_pages: int) -> None:
         """Grow the host tier; on CUDA wait first for the kernels that may still read or write the old one."""

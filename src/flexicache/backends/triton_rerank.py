@@ -89,7 +89,7 @@ def rerank_rows(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: to
         selected, selected_scores: ``[R, K - 1]`` int64 / fp32 selection state, updated in place.
         host: the host tier ``(k, v)`` as pinned pages ``[R * P, ps, D]``; pool: the device pages ``[S, ps, D]``,
             row ``r``'s slots at ``base + r * K + j``.
-        centre: ``[R, D]`` fp32 key centre of each row, added back to the promoted keys (a centred host tier).
+        centre: ``[R, D]`` key centre of each row, added back to the promoted keys (a centred host tier).
 
     Returns:
         ``[1]`` int64 device tensor: pages promoted (copied host to device) by this rerank.

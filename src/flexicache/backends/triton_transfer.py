@@ -7,8 +7,9 @@ ordered with the decode kernels around them. :func:`retire_tails` also does the 
 (which selection slot the retired page takes over), so a page boundary costs one launch per layer.
 
 A host tier narrower than the KV (``host_dtype``) gets its keys centred: every host-side key is stored as the key
-minus its row's centre ``[R, D]`` (fp32), computed in fp32 and rounded by the store, and gets the centre back, in
-fp32, on its way to the device; values are only cast. Without a centre the kernels copy and cast.
+minus its row's centre ``[R, D]`` (fp32; fp64 for fp64 KV), computed in the centre's dtype and rounded by the store,
+and gets the centre back, in that dtype, on its way to the device; values are only cast. Without a centre the
+kernels copy and cast.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _copy_pages_kernel(src_k_ptr, src_v_ptr, dst_k_ptr, dst_v_ptr, src_index_ptr
             else:
                 row = target_page // pages_per_row
             centre = tl.load(centre_ptr + row * HEAD_DIM + offsets % HEAD_DIM, mask=inside)
-            tl.store(dst_k_ptr + target_page * PAGE + offsets, keys.to(tl.float32) + CENTRE_SIGN * centre,
+            tl.store(dst_k_ptr + target_page * PAGE + offsets, keys.to(centre.dtype) + CENTRE_SIGN * centre,
                      mask=inside)
         values = tl.load(src_v_ptr + source_page * PAGE + offsets, mask=inside)
         tl.store(dst_v_ptr + target_page * PAGE + offsets, values, mask=inside)
@@ -54,7 +55,7 @@ def copy_pages(source: tuple[torch.Tensor, torch.Tensor], target: tuple[torch.Te
         source, target: ``(k, v)`` page arrays ``[N, ps, D]`` (device memory or pinned host memory).
         source_index, target_index: ``[n]`` int64 page indices, on the device.
         mask: ``[n]`` bool or int8 (nonzero: copy), on the device.
-        centre: ``[R, D]`` fp32 key centre of each host row; the host page ``i`` belongs to row ``i // pages_per_row``.
+        centre: ``[R, D]`` key centre of each host row (fp32, or fp64); host page ``i`` is row ``i // pages_per_row``'s.
     """
     if mask.numel() == 0:
         return
@@ -87,7 +88,7 @@ def _retire_tails_kernel(pool_k_ptr, pool_v_ptr, host_k_ptr, host_v_ptr, selecte
     host = (row * host_pages_per_row + page) * PAGE
     if CENTRED:
         centre = tl.load(centre_ptr + row * HEAD_DIM + offsets % HEAD_DIM, mask=inside)
-        tl.store(host_k_ptr + host + offsets, keys.to(tl.float32) - centre, mask=inside)
+        tl.store(host_k_ptr + host + offsets, keys.to(centre.dtype) - centre, mask=inside)
     else:
         tl.store(host_k_ptr + host + offsets, keys, mask=inside)
     tl.store(host_v_ptr + host + offsets, values, mask=inside)
@@ -130,7 +131,7 @@ def retire_tails(pool: tuple[torch.Tensor, torch.Tensor], host: tuple[torch.Tens
         host: the host tier ``(k, v)`` as pinned pages ``[R * P, ps, D]``, page ``p`` of row ``r`` at ``r * P + p``.
         selected, selected_scores: ``[R, K - 1]`` int64 / fp32 selection state, updated in place.
         batch: ``[n]`` int64 requests whose tail is full; ``before``: ``[B]`` int64 tokens before this step.
-        centre: ``[R, D]`` fp32 key centre of each row, taken off the keys the host tier stores (``None``: none).
+        centre: ``[R, D]`` key centre of each row, taken off the keys the host tier stores (``None``: none).
     """
     if batch.numel() == 0:
         return
@@ -199,7 +200,7 @@ def _write_tokens_kernel(keys_ptr, values_ptr, host_k_ptr, host_v_ptr, batch_ptr
     keys = tl.load(keys_ptr + source, mask=inside)
     if CENTRED:
         centre = tl.load(centre_ptr + row * HEAD_DIM + dims, mask=inside)
-        tl.store(host_k_ptr + target, keys.to(tl.float32) - centre, mask=inside)
+        tl.store(host_k_ptr + target, keys.to(centre.dtype) - centre, mask=inside)
     else:
         tl.store(host_k_ptr + target, keys, mask=inside)
     tl.store(host_v_ptr + target, tl.load(values_ptr + source, mask=inside), mask=inside)
@@ -215,7 +216,7 @@ def write_tokens(keys: torch.Tensor, values: torch.Tensor, host: tuple[torch.Ten
         host: the host tier ``(k, v)`` as pinned pages ``[R * P, ps, D]``; row ``b * h + head``, page ``p`` at
             ``row * P + p``.
         batch, page, offset: ``[N]`` int64 request, page and offset of every token (device).
-        centre: ``[R, D]`` fp32 key centre of each row, taken off the stored keys (``None``: none).
+        centre: ``[R, D]`` key centre of each row, taken off the stored keys (``None``: none).
     """
     num_tokens, num_heads, head_dim = keys.shape
     if num_tokens == 0:
