@@ -46,17 +46,13 @@ def assert_selected_slots_hold_their_pages(cache: FlexiCache) -> None:
         row, column = (pages.selected >= 0).nonzero(as_tuple=True)
         device_slot = pages.base + row * pages.k + column
         host_page = (row * pages.host.k.shape[2] + pages.selected[row, column]).to(host_k.device)
-        centre = pages.key_centre
-        for device_pages, host_pages, centred in ((pages.pool.k, host_k, True), (pages.pool.v, host_v, False)):
-            held, stored = device_pages[device_slot].cpu(), host_pages[host_page].cpu()
-            if centre is None or not centred:
-                promoted = held == stored.to(held.dtype)
-                retired = held.to(stored.dtype).to(torch.float64) == stored.to(torch.float64)
-            else:  # [n, ps, D] against the slot's row centre [n, 1, D]
-                offset = centre[row].cpu().unsqueeze(1)
-                promoted = held == (stored.to(offset.dtype) + offset).to(held.dtype)
-                retired = (held.to(offset.dtype) - offset).to(stored.dtype).to(torch.float64) == stored.to(
-                    torch.float64)
+        centre = None if pages.key_centre is None else pages.key_centre[row].cpu().unsqueeze(1)  # [n, 1, D]
+        for device_pages, host_pages, offset in ((pages.pool.k, host_k, centre), (pages.pool.v, host_v, None)):
+            held, stored = device_pages[device_slot].cpu(), host_pages[host_page].cpu()  # [n, ps, D]
+            dtype = torch.float64 if offset is None else offset.dtype  # the paths' arithmetic
+            offset = 0.0 if offset is None else offset
+            promoted = held == (stored.to(dtype) + offset).to(held.dtype)
+            retired = (held.to(dtype) - offset).to(stored.dtype).to(torch.float64) == stored.to(torch.float64)
             differs = ~(promoted.flatten(1).all(1) | retired.flatten(1).all(1))
             assert not bool(differs.any()), (
                 f"layer {index}: selection slots {device_slot[differs.to(device_slot.device)].tolist()} do not hold "

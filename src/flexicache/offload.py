@@ -108,7 +108,7 @@ class OffloadedPages:
         """Bytes of ``num_pages`` device pages (keys and values)."""
         return 2 * num_pages * self.pool.k.shape[1] * self.pool.k.shape[2] * self.pool.k.element_size()
 
-    def _host_page_bytes(self, num_pages: int) -> int:
+    def host_page_bytes(self, num_pages: int) -> int:
         """Bytes of ``num_pages`` host pages (keys and values): what moving them between host and device carries."""
         return 2 * num_pages * self.pool.k.shape[1] * self.pool.k.shape[2] * self.host.k.element_size()
 
@@ -128,7 +128,7 @@ class OffloadedPages:
             retire_tails(self._device_pages(), self.host.pages(), self.selected, self.selected_scores, batch,
                          plan.before, self.base, self.num_heads, self.host.k.shape[2], self.page_size,
                          centre=self.key_centre)
-            self.counters.bytes_d2h += self._host_page_bytes(batch.numel() * self.num_heads)
+            self.counters.bytes_d2h += self.host_page_bytes(batch.numel() * self.num_heads)
             return
         page = (plan.before[batch] - 1) // self.page_size  # [n] the full tail page of each request
         tail_slots = self._tail_slots(batch)
@@ -154,7 +154,7 @@ class OffloadedPages:
         """Host side of :meth:`retire_full_tails_on_device` for a step where ``num_full`` requests retire and the
         longest has ``full_pages`` full pages: room in the host tier, the transfer count."""
         self._reserve_host(full_pages)
-        self.counters.bytes_d2h += self._host_page_bytes(num_full * self.num_heads)
+        self.counters.bytes_d2h += self.host_page_bytes(num_full * self.num_heads)
 
     def retire_full_tails_on_device(self, before: torch.Tensor) -> None:
         """:meth:`retire_full_tails` for every request whose tail page is full, decided on the device from
@@ -173,7 +173,7 @@ class OffloadedPages:
     def _offload_tails(self, batch: torch.Tensor, page: torch.Tensor, tail_slots: torch.Tensor) -> None:
         """Copy the tail slots ``[n * h]`` of requests ``batch [n]`` to host page ``page [n]`` (one per request)."""
         self._to_host(tail_slots, self._host_page_index(batch, page), torch.ones_like(tail_slots, dtype=torch.bool))
-        self.counters.bytes_d2h += self._host_page_bytes(batch.numel() * self.num_heads)
+        self.counters.bytes_d2h += self.host_page_bytes(batch.numel() * self.num_heads)
 
     def _device_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pool.k, self.pool.v
@@ -247,28 +247,21 @@ class OffloadedPages:
             self._offload_tails(started, (plan.before[started] - 1) // self.page_size, self._tail_slots(started))
         self.counters.bytes_d2h += 2 * new_keys.numel() * self.host.k.element_size()
         self._set_key_centre(new_keys, plan)
-        nonempty = (plan.after_host > 0).nonzero().view(-1)
-        if self.zero_copy:  # the device writes the tokens into the pinned tier and reads the tails back: no sync
-            from flexicache.backends.triton_transfer import copy_pages, write_tokens
+        if self.zero_copy:  # the device writes the tokens into the pinned tier (and reads the tails back): no sync
+            from flexicache.backends.triton_transfer import write_tokens
 
             write_tokens(new_keys, new_values, self.host.pages(), plan.batch, plan.page, plan.offset,
                          self.host.k.shape[2], centre=self.key_centre)
-            requests = host_to_device(nonempty, device)
-            tail_page = (plan.after[requests] - 1) // self.page_size
-            tail_slots = self._tail_slots(requests)
-            copy_pages(self.host.pages(), self._device_pages(), self._host_page_index(requests, tail_page), tail_slots,
-                       torch.ones_like(tail_slots, dtype=torch.int8), self.key_centre, 1, self.host.k.shape[2])
-            self.counters.bytes_h2d += self._host_page_bytes(nonempty.numel() * self.num_heads)
-            return
-        batch_host, page_host, offset_host = plan.batch.cpu(), plan.page.cpu(), plan.offset.cpu()
-        self.host.k[batch_host, :, page_host, offset_host] = self._host_keys(new_keys, plan.batch).to(
-            "cpu", self.host.k.dtype)
-        self.host.v[batch_host, :, page_host, offset_host] = new_values.to("cpu", self.host.v.dtype)
-        tail_page = host_to_device((plan.after_host[nonempty] - 1) // self.page_size, device)
-        requests = host_to_device(nonempty, device)
-        self._to_device(self._host_page_index(requests, tail_page), self._tail_slots(requests),
-                        torch.ones_like(self._tail_slots(requests), dtype=torch.bool))
-        self.counters.bytes_h2d += self._host_page_bytes(nonempty.numel() * self.num_heads)
+        else:
+            batch_host, page_host, offset_host = plan.batch.cpu(), plan.page.cpu(), plan.offset.cpu()
+            self.host.k[batch_host, :, page_host, offset_host] = self._host_keys(new_keys, plan.batch).to(
+                "cpu", self.host.k.dtype)
+            self.host.v[batch_host, :, page_host, offset_host] = new_values.to("cpu", self.host.v.dtype)
+        requests = host_to_device((plan.after_host > 0).nonzero().view(-1), device)
+        tail_slots = self._tail_slots(requests)
+        self._to_device(self._host_page_index(requests, (plan.after[requests] - 1) // self.page_size), tail_slots,
+                        torch.ones_like(tail_slots, dtype=torch.bool))
+        self.counters.bytes_h2d += self.host_page_bytes(requests.numel() * self.num_heads)
 
     # ----------------------------------------------------------------------------------------- crop, reorder
 
@@ -357,17 +350,17 @@ class OffloadedPages:
         count, counters = count.view(()), self.counters
         if self.zero_copy and torch.is_tensor(counters.promoted_pages):
             counters.promoted_pages.add_(count)
-            counters.bytes_h2d.add_(count * self._host_page_bytes(1))
+            counters.bytes_h2d.add_(count * self.host_page_bytes(1))
         else:
             counters.promoted_pages = counters.promoted_pages + count
-            counters.bytes_h2d = counters.bytes_h2d + count * self._host_page_bytes(1)
+            counters.bytes_h2d = counters.bytes_h2d + count * self.host_page_bytes(1)
 
     def _count_copied_to_device(self, num_pages: int) -> None:
         """Add ``num_pages`` pages copied to the device outside a rerank (in place where the counter is)."""
         if self.zero_copy and torch.is_tensor(self.counters.bytes_h2d):
-            self.counters.bytes_h2d.add_(self._host_page_bytes(num_pages))
+            self.counters.bytes_h2d.add_(self.host_page_bytes(num_pages))
         else:
-            self.counters.bytes_h2d = self.counters.bytes_h2d + self._host_page_bytes(num_pages)
+            self.counters.bytes_h2d = self.counters.bytes_h2d + self.host_page_bytes(num_pages)
 
     # ----------------------------------------------------------------------------------------------- decode
 

@@ -171,7 +171,6 @@ class LayerStorage:
             counts["device_kv_bytes"] += used_pages * len(self.unstable_heads) * page_bytes
         if self.offloaded is not None:
             counts["device_kv_bytes"] += self.offloaded.nbytes_reserved
-            host_page_bytes = page_bytes * self.offloaded.host.k.element_size() // self.pool.k.element_size()
-            counts["host_kv_bytes"] += used_pages * len(self.stable_heads) * host_page_bytes
+            counts["host_kv_bytes"] += self.offloaded.host_page_bytes(used_pages * len(self.stable_heads))
             counts["host_reserved_bytes"] += self.offloaded.host.nbytes_reserved
         return counts
