@@ -46,6 +46,7 @@ VALID_SETTINGS = {
     "cuda_graphs": st.booleans(),
     "max_cache_len": st.one_of(st.none(), st.integers(1, 100)),
     "host_dtype": st.sampled_from(["auto", "float8_e4m3fn"]),
+    "max_promotions": st.one_of(st.none(), st.integers(1, 8)),
 }
 
 

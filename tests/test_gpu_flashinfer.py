@@ -251,9 +251,11 @@ def test_zero_copy_transfers_match_torch_indexing(monkeypatch: pytest.MonkeyPatc
     assert_same_transfer_outcome(results[True], results[False])
 
 
-def test_rerank_and_tail_retirement_kernels_match_torch_at_scale() -> None:
+@pytest.mark.parametrize("max_promotions", [None, 3])
+def test_rerank_and_tail_retirement_kernels_match_torch_at_scale(max_promotions: int | None) -> None:
     """The fused rerank and tail retirement leave exactly the state of their torch versions over 4096 rows (one
-    program each, thousands of warps in flight), rerank after rerank and retirement after retirement. A program
+    program each, thousands of warps in flight), rerank after rerank and retirement after retirement, with and
+    without a limit on the promotions. A program
     whose warps each read the row's selection while another warp of it already rewrote it moves part of a page into
     the wrong slot, which shows up as rare run-to-run differences of generate() (what eval/gpu_repeatability.py
     looks for)."""
@@ -294,7 +296,7 @@ def test_rerank_and_tail_retirement_kernels_match_torch_at_scale() -> None:
         scores = (torch.randint(0, 4, (rows, width), generator=generator, device="cuda").float() if round_index % 2
                   else torch.randn(rows, width, generator=generator, device="cuda"))
         for pages in states.values():
-            pages.rerank(scores, full_pages.repeat_interleave(heads))
+            pages.rerank(scores, full_pages.repeat_interleave(heads), max_promotions)
         assert_same_state(f"rerank {round_index}")
         for retirement in range(3):  # later tails evict earlier ones' neighbours (+inf until the next rerank)
             before = (full_pages + 1) * page_size  # each tail page is full: it retires as page ``full_pages``
@@ -308,7 +310,9 @@ def test_rerank_and_tail_retirement_kernels_match_torch_at_scale() -> None:
     assert int(states[True].counters.promoted_pages) == int(states[False].counters.promoted_pages) > 0
 
 
-def test_whole_step_graphs_match_eager_generation() -> None:
+@pytest.mark.parametrize("settings", [{}, {"page_size": 8, "rerank_interval": 1, "max_promotions": 2}],
+                         ids=["defaults", "limited-promotions"])
+def test_whole_step_graphs_match_eager_generation(settings: dict) -> None:
     """generate() with whole-step CUDA graphs (from_model's default) gives the tokens and logits of the same cache
     run layer by layer, through a padded batch, reranks at every phase, promotions, retirements and growth; most
     steps replay."""
@@ -320,7 +324,7 @@ def test_whole_step_graphs_match_eager_generation() -> None:
     mask[1, :37] = 0
     runs = {}
     for step_graphs in (False, True):
-        cache = FlexiCache.from_model(model, profile=profile, token_budget=128, backend="flashinfer")
+        cache = FlexiCache.from_model(model, profile=profile, token_budget=128, backend="flashinfer", **settings)
         if not step_graphs:
             disable_step_graphs(model)
         with torch.inference_mode():

@@ -10,7 +10,7 @@ from conftest import brute_quest, reference_topk
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexicache.selection import quest_page_scores, select_pages
+from flexicache.selection import limit_promotions, quest_page_scores, select_pages, update_selection
 
 
 @st.composite
@@ -160,3 +160,64 @@ def test_select_pages_zero_query_picks_lowest_pages():
     scores = torch.zeros(2, 12)
     pages, _ = select_pages(scores, torch.tensor([12, 9]), 4, force_last=True)
     assert pages.tolist() == [[0, 1, 2, 11], [0, 1, 2, 8]]
+
+
+# ------------------------------------------------------------------------------------ update_selection's limit
+
+
+def reference_limited_selection(scores: torch.Tensor, num_full: int, held: list[int], slots: int,
+                                limit: int) -> list[int]:
+    """One row's limited rerank by hand: empty slots take the best newcomers, then the best remaining newcomer
+    replaces the worst held page while it scores higher, at most ``limit`` times (the sink counts as +inf)."""
+    value = {p: (math.inf if p == 0 else float(scores[p])) for p in range(num_full)}
+    held = [p for p in held if p < num_full]
+    newcomers = sorted((p for p in range(num_full) if p not in held), key=lambda p: (-value[p], p))
+    chosen = held + newcomers[: slots - len(held)]
+    newcomers = newcomers[slots - len(held):]
+    for _ in range(limit):
+        if not newcomers:
+            break
+        worst = min(chosen, key=lambda p: (value[p], -p))
+        if value[newcomers[0]] <= value[worst]:
+            break
+        chosen.remove(worst)
+        chosen.append(newcomers.pop(0))
+    return sorted(chosen)
+
+
+@given(selection_inputs(), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_a_limited_rerank_swaps_at_most_max_promotions_pages_for_better_ones(inputs, limit, seed):
+    """With ``max_promotions`` a rerank keeps its held pages but for at most that many, each replaced by a better
+    newcomer (the best newcomers, the worst held pages), fills empty slots without limit, and never selects a page
+    beyond a row's full pages; a limit of a whole selection is no limit."""
+    scores, num_full, slots = inputs
+    generator = torch.Generator().manual_seed(seed)
+    held = torch.full((scores.shape[0], slots), -1, dtype=torch.long)
+    for row, n in enumerate(num_full.tolist()):
+        count = int(torch.randint(0, min(slots, n) + 1, (), generator=generator)) if n else 0
+        held[row, :count] = torch.randperm(n, generator=generator)[:count]
+    _, promoted, _, updated = update_selection(scores, num_full, held, limit)
+    for row, n in enumerate(num_full.tolist()):
+        got = sorted(p for p in updated[row].tolist() if p >= 0)
+        before = [p for p in held[row].tolist() if p >= 0]
+        assert got == reference_limited_selection(scores[row], n, before, slots, limit)
+        kept = set(before) & set(got)
+        assert set(updated[row].tolist()) >= kept and all(updated[row, j] == p for j, p in enumerate(held[row].tolist())
+                                                           if p in kept), "held pages keep their slots"
+        assert int(promoted[row].sum()) == len(set(got) - set(before)) <= limit + slots - len(before)
+    unlimited = update_selection(scores, num_full, held)
+    assert all(torch.equal(a, b) for a, b in zip(update_selection(scores, num_full, held, slots), unlimited))
+
+
+def test_limit_promotions_exact_case():
+    """Row 0 holds pages 0, 1, 2 (scores sink, 1, 5); newcomers 3 (9), 4 (7), 5 (0): one promotion swaps page 1
+    for page 3. Row 1 holds only the sink: its two empty slots take its two best newcomers, and the third best
+    (page 2) stays a candidate for the one swap, which it loses."""
+    scores = torch.tensor([[0.0, 1.0, 5.0, 9.0, 7.0, 0.0],
+                           [0.0, 1.0, 5.0, 9.0, 7.0, 0.0]])
+    held = torch.tensor([[0, 1, 2], [0, -1, -1]])
+    limited = limit_promotions(scores, torch.tensor([6, 6]), held, 1)
+    assert torch.isinf(limited).tolist() == [[False, False, False, False, True, True],
+                                             [False, True, False, False, False, True]]
+    _, _, _, updated = update_selection(scores, torch.tensor([6, 6]), held, 1)
+    assert updated.tolist() == [[0, 3, 2], [0, 3, 4]]

@@ -90,10 +90,12 @@ def test_open_pages_kernel_compiles(num_heads: int) -> None:
 
 
 @pytest.mark.parametrize("slots, block_s", [(63, 2048), (3, 16384)])
-def test_rerank_kernel_compiles(slots: int, block_s: int) -> None:
+@pytest.mark.parametrize("limited", [False, True])
+def test_rerank_kernel_compiles(slots: int, block_s: int, limited: bool) -> None:
     compile_for_hopper(triton_rerank._rerank_kernel,
-                       dict(SLOTS=slots, BLOCK_K=triton.next_power_of_2(slots), BLOCK_S=block_s),
-                       {"scores_ptr": "*fp32", "selected_scores_ptr": "*fp32", "copy_mask_ptr": "*i8"})
+                       dict(SLOTS=slots, BLOCK_K=triton.next_power_of_2(slots), BLOCK_S=block_s, LIMITED=limited),
+                       {"scores_ptr": "*fp32", "selected_scores_ptr": "*fp32", "copy_mask_ptr": "*i8",
+                        "held_ptr": "*i8"})
 
 
 @pytest.mark.parametrize("head_dim", [128, 96])

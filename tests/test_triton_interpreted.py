@@ -235,7 +235,8 @@ def check_stable_scores() -> None:
 def check_rerank() -> None:
     """The fused rerank leaves the selection, scores, device slots and promotion count the torch rerank leaves:
     rows with no, few (< K - 1) and many full pages, scores with ties everywhere (small integers, all zero), each
-    rerank starting from the selection the previous one left (tail retirements: check_transfers). Then
+    rerank starting from the selection the previous one left (tail retirements: check_transfers), with and without
+    ``max_promotions``. Then
     :func:`check_stable_scores`."""
     import copy
 
@@ -255,22 +256,23 @@ def check_rerank() -> None:
     num_full = torch.tensor([0, 2, 12, 12, 7, 4])  # rows r = b * heads + head
     draws = [torch.randint(0, 4, (6, width), generator=generator).float() for _ in range(3)]
     draws += [torch.randn(6, width, generator=generator), torch.zeros(6, width)]
-    for fused in (True, False):
-        state = copy.deepcopy(pages)
-        state.zero_copy = fused
-        outcomes = []
-        for scores in draws:
-            state.rerank(scores, num_full)
-            outcomes.append((state.selected.clone(), state.selected_scores.clone(), state.pool.k.clone(),
-                             state.pool.v.clone(),
-                             int(state.counters.promoted_pages)))
-        if fused:
-            fused_outcomes = outcomes
-        else:
-            for got, want in zip(fused_outcomes, outcomes):
-                assert all(torch.equal(a, b) for a, b in zip(got[:4], want[:4])), (got[0], want[0])
-                assert got[4] == want[4]
-    assert outcomes[-1][4] > 0
+    for max_promotions in (None, 1, 2):
+        for fused in (True, False):
+            state = copy.deepcopy(pages)
+            state.zero_copy = fused
+            outcomes = []
+            for scores in draws:
+                state.rerank(scores, num_full, max_promotions)
+                outcomes.append((state.selected.clone(), state.selected_scores.clone(), state.pool.k.clone(),
+                                 state.pool.v.clone(),
+                                 int(state.counters.promoted_pages)))
+            if fused:
+                fused_outcomes = outcomes
+            else:
+                for got, want in zip(fused_outcomes, outcomes):
+                    assert all(torch.equal(a, b) for a, b in zip(got[:4], want[:4])), (max_promotions, got[0], want[0])
+                    assert got[4] == want[4]
+        assert outcomes[-1][4] > 0
 
 
 class PlannedBuffers:

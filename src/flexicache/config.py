@@ -27,6 +27,10 @@ class FlexiCacheConfig:
             page and the current tail page included.
         page_size: tokens per page, a power of two.
         rerank_interval: decode steps between two reranks of a stable head (unstable heads rerank every step).
+        max_promotions: pages a stable head may take in from the host tier at one decode rerank (the best new pages
+            in, as many of its lowest-scoring pages out): the selection follows the queries a few pages at a time,
+            which bounds the host-to-device bytes of a rerank step. ``None`` (the default): a rerank takes its whole
+            new top-K. Empty slots fill without limit, and a prompt chunk's rerank is never limited.
         rerank_warmup: decode steps after each prompt chunk during which the stable heads rerank every step, as
             the unstable heads do (their selection from the prompt's last query goes stale fastest while the answer
             starts); ``0``: the paper's schedule from the first step. The staggered schedule runs on underneath.
@@ -60,6 +64,7 @@ class FlexiCacheConfig:
     page_size: int = 16
     rerank_interval: int = 16
     rerank_warmup: int = 0
+    max_promotions: int | None = None
     group_reduce: Literal["max", "sum"] = "max"
     spread_weight: float = 0.5
     principal_bounds: bool = True
@@ -89,6 +94,12 @@ class FlexiCacheConfig:
         rerank_warmup = integer_argument(self.rerank_warmup, "rerank_warmup", "a number of decode steps, 0 or more")
         if rerank_warmup < 0:
             raise ValueError(f"rerank_warmup must be 0 or more decode steps, got {self.rerank_warmup!r}.")
+        if self.max_promotions is not None:
+            max_promotions = integer_argument(self.max_promotions, "max_promotions", "pages per rerank, or None")
+            if max_promotions < 1:
+                raise ValueError(f"max_promotions must be 1 or more pages per rerank (None: no limit), "
+                                 f"got {self.max_promotions!r}.")
+            object.__setattr__(self, "max_promotions", max_promotions)
         if not isinstance(self.group_reduce, str) or self.group_reduce not in ("max", "sum"):
             raise ValueError(f"group_reduce must be 'max' or 'sum', got {self.group_reduce!r}.")
         if (isinstance(self.spread_weight, bool) or not isinstance(self.spread_weight, (int, float))

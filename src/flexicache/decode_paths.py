@@ -107,15 +107,17 @@ class TorchDecode:
         kmin, kmax = self.storage.meta.rows(self.storage.stable_index, width)
         return quest_page_scores(query, kmin, kmax, self.settings.group_reduce, self.settings.spread_weight)
 
-    def rerank_stable(self, query: torch.Tensor, num_tokens: torch.Tensor, width: int) -> None:
+    def rerank_stable(self, query: torch.Tensor, num_tokens: torch.Tensor, width: int, decode: bool = True) -> None:
         """Rerank every stable row with its heads' queries from ``query [B, Hq, D]`` over its full pages (the tail
         page is not read). Device work only. ``num_tokens``: ``[B]`` real tokens per request (device); ``width``:
-        pages scored per row, at least the longest row's full pages (columns beyond a row's are ignored)."""
+        pages scored per row, at least the longest row's full pages (columns beyond a row's are ignored);
+        ``decode``: a decode step's rerank (``max_promotions`` applies), not a prompt chunk's."""
         storage = self.storage
         grouped = storage.bound_rows(storage.group_queries(query, storage.stable_index), storage.stable_index)
         full_pages = (num_tokens - 1).clamp(min=0) // self.settings.page_size
         scores = self.stable_scores(grouped, num_tokens, width)
-        storage.offloaded.rerank(scores, per_row(full_pages, len(storage.stable_heads)))
+        storage.offloaded.rerank(scores, per_row(full_pages, len(storage.stable_heads)),
+                                 self.settings.max_promotions if decode else None)
 
     def run(self, keys: torch.Tensor, values: torch.Tensor, rows_query: torch.Tensor, plan: AppendPlan,
             scale: float) -> torch.Tensor:

@@ -176,7 +176,7 @@ class FlexiLayer(CacheLayerMixin):
         if offloaded is not None:
             width = plan.full_page_width
             if width:
-                self.path.rerank_stable(_detached(query[:, :, -1]), plan.after, width)
+                self.path.rerank_stable(_detached(query[:, :, -1]), plan.after, width, decode=False)
                 offloaded.counters.reranks += offloaded.num_rows
             # Stagger: layer l reranks at decode steps where (step + l) % interval == 0, so no step pays them all.
             offloaded.steps_since_rerank = self.layer_idx % self.settings.rerank_interval

@@ -314,7 +314,7 @@ class OffloadedPages:
 
     # ----------------------------------------------------------------------------------------------- rerank
 
-    def rerank(self, scores: torch.Tensor, num_full_pages: torch.Tensor) -> None:
+    def rerank(self, scores: torch.Tensor, num_full_pages: torch.Tensor, max_promotions: int | None = None) -> None:
         """Select the top ``K - 1`` full pages (sink forced) and copy only the newly promoted ones to the device.
 
         Device work only, no host state changes (the caller counts reranks): a CUDA graph may record it.
@@ -322,6 +322,8 @@ class OffloadedPages:
         Args:
             scores: ``[B * h, P]`` page scores (``P`` >= the longest row's full pages).
             num_full_pages: ``[B * h]`` full pages of each row (all pages but the tail).
+            max_promotions: promote at most this many pages per row beyond its empty slots (``None``: no limit;
+                :func:`~flexicache.selection.limit_promotions`).
         """
         if self.zero_copy:
             from flexicache.backends.triton_rerank import fits_fused_rerank, rerank_rows
@@ -329,10 +331,11 @@ class OffloadedPages:
             if fits_fused_rerank(scores, self.k - 1):  # the same result as below, in two launches
                 promoted = rerank_rows(scores.contiguous(), num_full_pages, self.selected, self.selected_scores,
                                        self.host.pages(), self._device_pages(), self.base, self.host.k.shape[2],
-                                       self.key_centre)
+                                       self.key_centre, max_promotions)
                 self._count_promotions(promoted)
                 return
-        new_pages, promoted, target_cols, selected = update_selection(scores, num_full_pages, self.selected)
+        new_pages, promoted, target_cols, selected = update_selection(scores, num_full_pages, self.selected,
+                                                                           max_promotions)
         slots_per_row = self.k - 1
         rows = torch.arange(promoted.shape[0], device=promoted.device).unsqueeze(1)
         self._to_device((rows * self.host.k.shape[2] + new_pages.clamp(min=0)).view(-1),

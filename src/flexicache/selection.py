@@ -112,8 +112,8 @@ def select_pages(
     return pages, top_scores.gather(1, order)
 
 
-def update_selection(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def update_selection(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: torch.Tensor,
+                     max_promotions: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A stable rerank's new selection: the top ``S`` full pages of every row (the sink forced, ties to the lower
     page), pages still selected keeping their slots, the ``r``-th newly promoted page taking the ``r``-th free slot.
 
@@ -121,6 +121,8 @@ def update_selection(scores: torch.Tensor, num_full_pages: torch.Tensor, selecte
         scores: ``[R, P]`` page scores (``P`` >= every row's full pages).
         num_full_pages: ``[R]`` candidate pages of each row (all its pages but the tail).
         selected: ``[R, S]`` page held by each selection slot (``-1`` = empty).
+        max_promotions: promote at most this many pages per row beyond its empty slots (:func:`limit_promotions`);
+            ``None``: no limit.
 
     Returns:
         ``(new_pages, promoted, target_slots, updated)``: ``[R, S]`` each: the new pages in ascending order
@@ -129,6 +131,8 @@ def update_selection(scores: torch.Tensor, num_full_pages: torch.Tensor, selecte
     """
     slots_per_row = selected.shape[1]
     width = scores.shape[1]
+    if max_promotions is not None:
+        scores = limit_promotions(scores, num_full_pages, selected, max_promotions)
     new_pages, _ = select_pages(scores, num_full_pages, slots_per_row, force_last=False)
     if new_pages.shape[1] < slots_per_row:
         new_pages = torch.nn.functional.pad(new_pages, (0, slots_per_row - new_pages.shape[1]), value=-1)
@@ -147,6 +151,24 @@ def update_selection(scores: torch.Tensor, num_full_pages: torch.Tensor, selecte
     updated = torch.cat([torch.where(keep, selected, -1), selected.new_full((keep.shape[0], 1), -1)], 1)
     updated.scatter_(1, target_slots, new_pages)
     return new_pages, promoted, target_slots, updated[:, :slots_per_row]
+
+
+def limit_promotions(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: torch.Tensor,
+                     max_promotions: int) -> torch.Tensor:
+    """``scores [R, P]`` with every page a rerank may not select set to ``-inf``: a row keeps its held pages
+    (``selected [R, S]``) as candidates and admits only its best ``max_promotions`` + (empty slots) others (ties to
+    the lower page), so its top ``S`` among those swaps at most ``max_promotions`` held pages for better ones: the
+    ``m``-th best newcomer replaces the ``m``-th worst held page where it scores higher."""
+    width = scores.shape[1]
+    columns = torch.arange(width, device=scores.device)
+    candidate = columns < num_full_pages.to(scores.device).view(-1, 1)
+    held = _membership(selected, width)[:, :width] & candidate
+    newcomer_scores = scores.masked_fill(columns == 0, float("inf")).masked_fill(held | ~candidate, float("-inf"))
+    order = newcomer_scores.sort(dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(1, order, columns.expand_as(order))
+    room = max_promotions + (selected < 0).sum(dim=1, keepdim=True)
+    admitted = candidate & ~held & (rank < room)
+    return scores.masked_fill(~(held | admitted), float("-inf"))
 
 
 def _membership(pages: torch.Tensor, width: int) -> torch.Tensor:

@@ -18,23 +18,48 @@ from flexicache.backends.triton_select import MAX_SCORED_PAGES, _order_key, _top
 from flexicache.backends.triton_transfer import copy_pages
 
 
-@triton.jit(do_not_specialize=["scores_stride", "base", "host_pages_per_row"])
+@triton.jit
+def _limit_promotions(key, valid, page, columns, selected_row, held_row, max_promotions, SLOTS: tl.constexpr):
+    """Mask of the pages a limited rerank may choose from: the row's held pages and its best ``max_promotions`` +
+    (empty slots) others (:func:`flexicache.selection.limit_promotions`). ``held_row``: the row's ``[BLOCK_S]``
+    int8 scratch."""
+    old = tl.load(selected_row + columns, mask=columns < SLOTS, other=-1)
+    tl.store(held_row + page, tl.zeros_like(page).to(tl.int8))
+    tl.debug_barrier()
+    tl.store(held_row + tl.maximum(old, 0), tl.full(old.shape, 1, tl.int8), mask=old >= 0)
+    tl.debug_barrier()
+    held = valid & (tl.load(held_row + page) > 0)
+    newcomers = valid & ~held
+    room = max_promotions + tl.sum(((columns < SLOTS) & (old < 0)).to(tl.int32), axis=0)
+    count = tl.sum(newcomers.to(tl.int32), axis=0)
+    if room < count:
+        admitted = _top_keys(key, newcomers, room)
+    else:
+        admitted = newcomers
+    return held | admitted
+
+
+@triton.jit(do_not_specialize=["scores_stride", "base", "host_pages_per_row", "max_promotions"])
 def _rerank_kernel(scores_ptr, num_full_ptr, selected_ptr, selected_scores_ptr, new_pages_ptr, copy_src_ptr,
-                   copy_dst_ptr, copy_mask_ptr, promoted_ptr, scores_stride, base, host_pages_per_row,
-                   SLOTS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
+                   copy_dst_ptr, copy_mask_ptr, promoted_ptr, held_ptr, scores_stride, base, host_pages_per_row,
+                   max_promotions, SLOTS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                   LIMITED: tl.constexpr):
     row = tl.program_id(0)
     n = tl.load(num_full_ptr + row).to(tl.int32)  # candidate pages: the row's full pages
     page = tl.arange(0, BLOCK_S)
+    columns = tl.arange(0, BLOCK_K)
     valid = page < n
     scores_row = scores_ptr + row.to(tl.int64) * scores_stride
     key = _order_key(tl.where(page == 0, float("inf"), tl.load(scores_row + page, mask=valid, other=0.0)))
     key = key.to(tl.int64)
-    if n > SLOTS:  # ties go to the lower pages
+    if LIMITED:
+        valid = _limit_promotions(key, valid, page, columns, selected_ptr + row.to(tl.int64) * SLOTS,
+                                  held_ptr + row.to(tl.int64) * BLOCK_S, max_promotions, SLOTS)
+    if tl.sum(valid.to(tl.int32), axis=0) > SLOTS:  # ties go to the lower pages
         chosen = _top_keys(key, valid, SLOTS)
     else:
         chosen = valid
     # The new pages in ascending order, -1 padded: through this row's scratch (a register vector cannot be indexed).
-    columns = tl.arange(0, BLOCK_K)
     scratch = new_pages_ptr + row.to(tl.int64) * BLOCK_K
     tl.store(scratch + columns, tl.full([BLOCK_K], -1, tl.int64))
     tl.debug_barrier()
@@ -79,7 +104,7 @@ def fits_fused_rerank(scores: torch.Tensor, slots: int) -> bool:
 def rerank_rows(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: torch.Tensor,
                 selected_scores: torch.Tensor, host: tuple[torch.Tensor, torch.Tensor],
                 pool: tuple[torch.Tensor, torch.Tensor], base: int, host_pages_per_row: int,
-                centre: torch.Tensor | None = None) -> torch.Tensor:
+                centre: torch.Tensor | None = None, max_promotions: int | None = None) -> torch.Tensor:
     """Rerank every stable row: select the top ``K - 1`` full pages (sink forced), keep the slots of pages still
     selected, give each newly promoted page a free slot and copy it there from the host tier.
 
@@ -90,6 +115,7 @@ def rerank_rows(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: to
         host: the host tier ``(k, v)`` as pinned pages ``[R * P, ps, D]``; pool: the device pages ``[S, ps, D]``,
             row ``r``'s slots at ``base + r * K + j``.
         centre: ``[R, D]`` key centre of each row, added back to the promoted keys (a centred host tier).
+        max_promotions: promote at most this many pages per row beyond its empty slots (``None``: no limit).
 
     Returns:
         ``[1]`` int64 device tensor: pages promoted (copied host to device) by this rerank.
@@ -103,10 +129,12 @@ def rerank_rows(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: to
     indices = torch.empty(3, rows * block_k, dtype=torch.long, device=scores.device)  # new pages, copy src, dst
     copy_mask = torch.empty(rows * block_k, dtype=torch.int8, device=scores.device)
     promoted = torch.zeros(1, dtype=torch.long, device=scores.device)
+    limited = max_promotions is not None
+    held = torch.empty(rows * block_s if limited else 1, dtype=torch.int8, device=scores.device)  # scratch
     _rerank_kernel[(rows,)](
         scores, num_full_pages, selected, selected_scores, indices[0], indices[1], indices[2], copy_mask, promoted,
-        scores.stride(0), base, host_pages_per_row, SLOTS=slots, BLOCK_K=block_k, BLOCK_S=block_s,
-        num_warps=selection_warps(block_s),
+        held, scores.stride(0), base, host_pages_per_row, max_promotions or 0, SLOTS=slots, BLOCK_K=block_k,
+        BLOCK_S=block_s, LIMITED=limited, num_warps=selection_warps(block_s),
     )
     copy_pages(host, pool, indices[1], indices[2], copy_mask, centre, 1, host_pages_per_row)
     return promoted
