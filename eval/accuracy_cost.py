@@ -23,9 +23,11 @@ START, END = "<!-- accuracy-cost -->", "<!-- /accuracy-cost -->"
 
 @dataclass(frozen=True)
 class Setting:
-    """One setting: its label, where its step was timed (GPU folder, system) and its perplexity (CPU folder, row)."""
+    """One setting: its label (``short`` in the plot), where its step was timed (GPU folder, system) and its
+    perplexity (CPU folder, row)."""
 
     label: str
+    short: str
     gpu_run: str
     system: str
     cpu_folder: str
@@ -34,25 +36,36 @@ class Setting:
 
 DEFAULT_SYSTEM = "flexicache-1024"
 SETTINGS = (
-    Setting("defaults (16-token pages, stable heads every 16 steps)", "decode_rerank_page", DEFAULT_SYSTEM,
+    Setting("defaults (16-token pages, stable heads every 16 steps)", "defaults", "decode_rerank_page", DEFAULT_SYSTEM,
             "ppl-1.5k", "flexicache@192"),
-    Setting("float8 host tier", "host_dtype", "flexicache-1024:host_dtype=float8_e4m3fn", "ppl-1.5k",
+    Setting("float8 host tier", "float8 tier", "host_dtype", "flexicache-1024:host_dtype=float8_e4m3fn", "ppl-1.5k",
             "flexicache@192,host_dtype=float8_e4m3fn"),
-    Setting("stable heads every step", "decode_rerank_page", "flexicache-1024:rerank_interval=1", "ppl-1.5k",
+    Setting("stable heads every step", "/1", "decode_rerank_page", "flexicache-1024:rerank_interval=1", "ppl-1.5k",
             "flexicache@192,rerank_interval=1"),
-    Setting("8-token pages", "decode_rerank_page", "flexicache-1024:page_size=8", "ppl-1.5k-page8", "flexicache@192"),
-    Setting("8-token pages, every 4 steps", "decode_rerank_page", "flexicache-1024:page_size=8,rerank_interval=4",
+    Setting("8-token pages", "p8", "decode_rerank_page", "flexicache-1024:page_size=8", "ppl-1.5k-page8", "flexicache@192"),
+    Setting("8-token pages, every 4 steps", "p8 /4", "decode_rerank_page", "flexicache-1024:page_size=8,rerank_interval=4",
             "ppl-1.5k-page8", "flexicache@192,rerank_interval=4"),
-    Setting("8-token pages, every 2 steps", "decode_page8_ri2", "flexicache-1024:page_size=8,rerank_interval=2",
+    Setting("8-token pages, every 2 steps", "p8 /2", "decode_page8_ri2", "flexicache-1024:page_size=8,rerank_interval=2",
             "ppl-1.5k-page8", "flexicache@192,rerank_interval=2"),
-    Setting("8-token pages, every 2 steps, float8 host tier", "decode_page8_ri2",
+    Setting("8-token pages, every 2 steps, float8 host tier", "p8 /2 float8", "decode_page8_ri2",
             "flexicache-1024:page_size=8,rerank_interval=2,host_dtype=float8_e4m3fn", "ppl-1.5k-page8",
             "flexicache@192,rerank_interval=2,host_dtype=float8_e4m3fn"),
-    Setting("8-token pages, every step", "decode_rerank_page", "flexicache-1024:page_size=8,rerank_interval=1",
+    Setting("8-token pages, every step", "p8 /1", "decode_rerank_page", "flexicache-1024:page_size=8,rerank_interval=1",
             "ppl-1.5k-page8", "flexicache@192,rerank_interval=1"),
+    # Limited promotions: the same share of the selection slots on the GPU (127 slots) as on the CPU (23).
+    Setting("8-token pages, every 2 steps, at most 9% of the selection promoted", "p8 /2 <=9%", "decode_promotions",
+            "flexicache-1024:page_size=8,rerank_interval=2,max_promotions=11", "ppl-1.5k-page8",
+            "flexicache@192,rerank_interval=2,max_promotions=2"),
+    Setting("8-token pages, every step, at most 9% promoted", "p8 /1 <=9%", "decode_promotions",
+            "flexicache-1024:page_size=8,rerank_interval=1,max_promotions=11", "ppl-1.5k-page8",
+            "flexicache@192,rerank_interval=1,max_promotions=2"),
+    Setting("8-token pages, every step, at most 17% promoted", "p8 /1 <=17%", "decode_promotions",
+            "flexicache-1024:page_size=8,rerank_interval=1,max_promotions=22", "ppl-1.5k-page8",
+            "flexicache@192,rerank_interval=1,max_promotions=4"),
 )
 ORACLES = (("oracle pages, 16 tokens", "ppl-1.5k"), ("oracle pages, 8 tokens", "ppl-1.5k-page8"))
-LABEL_BELOW = {"8-token pages, every 2 steps, float8 host tier"}  # points whose label would overlap a neighbour's
+LABEL_OFFSETS = {"p8 /2 float8": (5, -10), "p8 /1 <=9%": (-8, 5), "p8 /1 <=17%": (5, -10), "p8 /2 <=9%": (-8, 5)}
+KEY = "p8: 8-token pages; /n: stable heads rerank every n steps; <=x%: at most x% of the selection promoted"
 
 
 def step_ratio(run: str, system: str) -> tuple[float, float]:
@@ -69,13 +82,13 @@ def perplexity_ratio(folder: str, method: str) -> float:
 
 
 def table() -> tuple[str, list[tuple[str, float, float]]]:
-    """The markdown table and the ``(label, step ratio, perplexity ratio)`` points."""
+    """The markdown table and the ``(short label, step ratio, perplexity ratio)`` points."""
     lines = ["| setting | decode step, 32k x 8 (x the defaults') | perplexity at 1/8 (x dense) |", "|---|---|---|"]
     points = []
     for setting in SETTINGS:
         ms, ratio = step_ratio(setting.gpu_run, setting.system)
         ppl = perplexity_ratio(setting.cpu_folder, setting.method)
-        points.append((setting.label, ratio, ppl))
+        points.append((setting.short, ratio, ppl))
         lines.append(f"| {setting.label} | {ms:.2f} ms ({ratio:.2f}x) | {ppl:.3f} |")
     for label, folder in ORACLES:
         lines.append(f"| {label} (reads every key: a ceiling, not a setting) | - | "
@@ -93,8 +106,9 @@ def plot(points: list[tuple[str, float, float]], out: Path) -> None:
     right = max(ratio for _, ratio, _ in points) * 1.45
     for label, ratio, ppl in points:
         ax.scatter(ratio, ppl, color="tab:blue")
-        below = label in LABEL_BELOW
-        ax.annotate(label, (ratio, ppl), textcoords="offset points", xytext=(5, -10 if below else 4), fontsize=7)
+        offset = LABEL_OFFSETS.get(label, (5, 4))
+        ax.annotate(label, (ratio, ppl), textcoords="offset points", xytext=offset, fontsize=7,
+                    ha="right" if offset[0] < 0 else "left")
     for label, folder in ORACLES:
         level = perplexity_ratio(folder, "oracle@192")
         ax.axhline(level, color="grey", linestyle=":", linewidth=0.9)
@@ -106,6 +120,7 @@ def plot(points: list[tuple[str, float, float]], out: Path) -> None:
     ax.set_xlabel("decode step / the defaults' (GPU, Llama-3.1-8B shape, 32 layers, 32k x 8)")
     ax.set_ylabel("perplexity / dense (SmolLM2-135M, CPU, budget 1/8)")
     ax.set_title("What accuracy costs: page-selection settings", fontsize=9)
+    ax.text(0.01, 0.01, KEY, transform=ax.transAxes, fontsize=6.5, color="dimgrey")
     ax.grid(alpha=0.3)
     ax.set_xlim(0.9, right)
     ax.set_ylim(1.008, None)

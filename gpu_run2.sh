@@ -1,4 +1,0 @@
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src || exit
-export FLASHINFER_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
-timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gpu_flashinfer.py -k "at_scale or whole_step_graphs_match" 2>&1 | tail -4
-python -m flexicache.cli bench --device cuda --layers 32 --cases decode --decode-contexts 32768 --decode-batches 8 --decode-systems flexicache-1024 flexicache-1024:page_size=8 flexicache-1024:page_size=8,rerank_interval=1,max_promotions=22 flexicache-1024:page_size=8,rerank_interval=1,max_promotions=22,host_dtype=float8_e4m3fn flexicache-1024:page_size=8,rerank_interval=1,max_promotions=11 flexicache-1024:page_size=8,rerank_interval=2,max_promotions=11 --decode-rounds 2 --time-budget 400 --out $OUT/decode_promotions 2>&1 | grep -v Warn | cut -c1-400 | tail -12
