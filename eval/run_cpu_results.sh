@@ -50,7 +50,8 @@ for model in ${models[@]}; do
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/ppl-2k" 256 128 budget=256,profile=online \
                 budget=128,profile=online budget=256,rerank_warmup=16 budget=128,rerank_warmup=16 \
                 budget=256,host_dtype=float8_e4m3fn budget=256,page_size=8,rerank_interval=2 \
-                budget=256,page_size=8,rerank_interval=2,profile=online -- --suite ppl \
+                budget=256,page_size=8,rerank_interval=2,profile=online \
+                budget=256,page_size=8,rerank_interval=2,max_promotions=3 -- --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
@@ -65,7 +66,8 @@ for model in ${models[@]}; do
                 --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24
             eval_rows gemma3 "$root/gemma3/niah-8k" 1024 -- --suite synthetic \
                 --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
-            eval_rows gemma3 "$root/gemma3/ppl-2k" 256 budget=256,page_size=8,rerank_interval=2 -- --suite ppl \
+            eval_rows gemma3 "$root/gemma3/ppl-2k" 256 budget=256,page_size=8,rerank_interval=2 \
+                budget=256,page_size=8,rerank_interval=2,max_promotions=3 -- --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
             ;;
         levers)  # SmolLM2, one budget: each option of the page selection (and the float8 host tier) on its own and
