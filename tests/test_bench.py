@@ -424,11 +424,12 @@ def test_system_names_carry_flexicache_settings_after_a_colon():
     system = System("flexicache-64:spread_weight=1.0,group_reduce=sum")
     assert (system.kind, system.budget) == ("flexicache", 64)
     assert system_options(system.name) == {"spread_weight": 1.0, "group_reduce": "sum"}
+    assert system_options("flexicache-64:max_promotions=none, page_size=8") == {"max_promotions": None, "page_size": 8}
     config = tiny_bench_config()
     cache = system.make_cache(config, tokens=96, settings=Settings())
     assert cache.settings.spread_weight == 1.0 and cache.settings.group_reduce == "sum"
     assert System("flexicache-64").make_cache(config, tokens=96, settings=Settings()).settings.spread_weight == 0.5
-    with pytest.raises(ValueError, match="setting=value"):
+    with pytest.raises(ValueError, match="key=value"):
         System("flexicache-64:spread_weight")
     with pytest.raises(ValueError, match="FlexiCache's"):
         System("dynamic:spread_weight=1.0")

@@ -26,6 +26,7 @@ from transformers import Cache, DynamicCache, LlamaConfig, MistralConfig, Pretra
 
 from flexicache import FlexiCache, HeadProfile, attention, handoff
 from flexicache.benchmarks.attention import Shape, random_profile
+from flexicache.setting_specs import parse_settings
 
 GIB = 2**30
 CASES = ("memory", "decode", "attention", "rerank", "throughput", "mix")
@@ -71,26 +72,10 @@ def split_system_name(name: str) -> tuple[str, int | None]:
                      "(e.g. flexicache-1024:spread_weight=1.0)")
 
 
-def system_options(name: str) -> dict[str, float | int | bool | str]:
+def system_options(name: str) -> dict[str, Any]:
     """The FlexiCache settings after a system name's colon: ``flexicache-1024:spread_weight=1.0,group_reduce=sum``
-    gives ``{"spread_weight": 1.0, "group_reduce": "sum"}``."""
-    options: dict[str, float | int | bool | str] = {}
-    for item in filter(None, name.partition(":")[2].split(",")):
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"system {name!r}: {item!r} is not setting=value (e.g. spread_weight=1.0)")
-        value: float | int | bool | str = text
-        if text.lower() in ("true", "false"):
-            value = text.lower() == "true"
-        else:
-            for kind in (int, float):
-                try:
-                    value = kind(text)
-                    break
-                except ValueError:
-                    pass
-        options[key] = value
-    return options
+    gives ``{"spread_weight": 1.0, "group_reduce": "sum"}`` (:func:`flexicache.setting_specs.parse_settings`)."""
+    return parse_settings(name.partition(":")[2], f"system {name!r}", "spread_weight=1.0")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from flexicache.setting_specs import parse_settings
+
 REFERENCE = "dense"
 
 
@@ -119,31 +121,11 @@ class OracleMethod:
         return {**settings, "candidates": self.candidates} if self.candidates else settings
 
 
-def parse_value(text: str) -> Any:
-    """A spec value: an int, a float, true/false, none, else the string itself."""
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def parse_spec(spec: str) -> dict[str, Any]:
     """``"token_budget=256,page_size=8"`` -> ``{"token_budget": 256, "page_size": 8}`` (``budget`` means
-    ``token_budget``)."""
-    options: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"method spec {spec!r}: {item!r} is not key=value (e.g. token_budget=256,page_size=8)")
-        options["token_budget" if key == "budget" else key] = parse_value(value)
-    return options
+    ``token_budget``; values as :func:`flexicache.setting_specs.parse_value` reads them)."""
+    options = parse_settings(spec, f"method spec {spec!r}", "token_budget=256,page_size=8")
+    return {"token_budget" if key == "budget" else key: value for key, value in options.items()}
 
 
 def parse_method(spec: str, model: Any, defaults: Mapping[str, Any], load_profile: Callable[[str | None], Any],
