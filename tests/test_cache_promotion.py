@@ -99,9 +99,9 @@ def test_rerank_copies_only_pages_not_already_on_the_device():
     on_device_at_rerank = []
     rerank = off.rerank
 
-    def spy(scores, num_full_pages):
+    def spy(scores, num_full_pages, max_promotions=None):
         on_device_at_rerank.append(off.selected.clone())
-        rerank(scores, num_full_pages)
+        rerank(scores, num_full_pages, max_promotions)
 
     off.rerank = spy
     for step in range(40):
