@@ -78,7 +78,8 @@ for model in ${models[@]}; do
             echo "+ levers: ppl"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
-                --oracle --oracle-candidates 2 --method "${levers[@]/#/budget=192,}" --out "$root/levers/ppl-1.5k"
+                --oracle --oracle-candidates 2 --method "${levers[@]/#/budget=192,}" budget=192,spread_weight=0.0 \
+                budget=192,spread_weight=0.25 budget=192,spread_weight=0.75 --out "$root/levers/ppl-1.5k"
             echo "+ levers: ppl with 8-token pages (the page size is the folder's: its oracle rows use it too)"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
