@@ -27,13 +27,13 @@ class FlexiCacheConfig:
             page and the current tail page included.
         page_size: tokens per page, a power of two.
         rerank_interval: decode steps between two reranks of a stable head (unstable heads rerank every step).
+        rerank_warmup: decode steps after each prompt chunk during which the stable heads rerank every step, as
+            the unstable heads do (their selection from the prompt's last query goes stale fastest while the answer
+            starts); ``0``: the paper's schedule from the first step. The staggered schedule runs on underneath.
         max_promotions: pages a stable head may take in from the host tier at one decode rerank (the best new pages
             in, as many of its lowest-scoring pages out): the selection follows the queries a few pages at a time,
             which bounds the host-to-device bytes of a rerank step. ``None`` (the default): a rerank takes its whole
             new top-K. Empty slots fill without limit, and a prompt chunk's rerank is never limited.
-        rerank_warmup: decode steps after each prompt chunk during which the stable heads rerank every step, as
-            the unstable heads do (their selection from the prompt's last query goes stale fastest while the answer
-            starts); ``0``: the paper's schedule from the first step. The staggered schedule runs on underneath.
         group_reduce: how page scores of the query heads of one GQA group are combined, ``"max"`` or ``"sum"``.
         spread_weight: how much a page's key spread counts in its score, in ``[0, 1]``: a page scores
             ``q . centre + spread_weight * |q| . radius`` of its key box (:func:`~flexicache.selection.quest_page_scores`);
