@@ -93,6 +93,9 @@ for model in ${models[@]}; do
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --oracle --method budget=192,page_size=8 budget=192,page_size=8,rerank_interval=2 \
                 budget=192,page_size=8,rerank_interval=2,max_promotions=2 --out "$root/levers/ppl-1.5k-replicate"
+            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
+                --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
+                --page-size 8 --oracle --method budget=192,rerank_interval=1 --out "$root/levers/ppl-1.5k-replicate-page8"
             echo "+ levers: niah_single_1 4k"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite synthetic \
                 --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 --oracle \
