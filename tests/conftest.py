@@ -319,6 +319,22 @@ def checked(cache: FlexiCache) -> FlexiCache:
     return cache
 
 
+def assert_same_generation(model, ids, mask, max_new_tokens, atol=1e-10, **settings) -> FlexiCache:
+    """Greedy ``generate`` with ``FlexiCache.from_model(model, **settings)`` (torch reference backend) gives
+    DynamicCache's tokens and, to ``atol``, its logits at every step; returns the cache."""
+    reference, reference_logits = greedy(model, ids, dense_cache(model), mask, max_new_tokens, logits=True)
+    cache = checked(FlexiCache.from_model(model, **settings))
+    tokens, logits = greedy(model, ids, cache, mask, max_new_tokens, logits=True)
+    assert torch.equal(tokens, reference)
+    assert len(logits) == len(reference_logits) == max_new_tokens
+    for step, (ours, theirs) in enumerate(zip(logits, reference_logits)):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=atol, msg=f"decode step {step}")
+    stats = cache.stats()
+    assert stats["decode_steps"] == max_new_tokens - 1 and stats["backend"] == "reference"
+    assert cache.backends[torch.device("cpu")].calls == (max_new_tokens - 1) * model.config.num_hidden_layers
+    return cache
+
+
 # ------------------------------------------------------------------------------- state and output checks
 
 

@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import checked, dense_cache, greedy, left_pad, mixed_profile, random_prompt, tiny_config, tiny_model
+from conftest import (
+    assert_same_generation,
+    dense_cache,
+    greedy,
+    left_pad,
+    mixed_profile,
+    random_prompt,
+    tiny_config,
+    tiny_model,
+)
 
 from flexicache import FlexiCache
-
-
-def assert_same_generation(model, ids, mask, max_new_tokens, atol=1e-10, **settings):
-    reference, reference_logits = greedy(model, ids, dense_cache(model), mask, max_new_tokens, logits=True)
-    cache = checked(FlexiCache.from_model(model, **settings))
-    tokens, logits = greedy(model, ids, cache, mask, max_new_tokens, logits=True)
-    assert torch.equal(tokens, reference)
-    assert len(logits) == len(reference_logits) == max_new_tokens
-    for step, (ours, theirs) in enumerate(zip(logits, reference_logits)):
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=atol, msg=f"decode step {step}")
-    stats = cache.stats()
-    assert stats["decode_steps"] == max_new_tokens - 1 and stats["backend"] == "reference"
-    assert cache.backends[torch.device("cpu")].calls == (max_new_tokens - 1) * model.config.num_hidden_layers
-    return cache
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 7])

@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import (
     Driver,
+    assert_same_generation,
     check_layer_state,
     checked,
-    dense_cache,
     greedy,
     left_pad,
     mixed_profile,
@@ -96,10 +96,8 @@ def test_covering_budget_generates_what_dynamic_cache_generates() -> None:
     config = tiny_config(group=2, num_kv_heads=2, num_layers=3)
     model = tiny_model(config, seed=3)
     ids = random_prompt(33, seed=4).view(1, -1)
-    reference = greedy(model, ids, dense_cache(model), max_new_tokens=20)
-    cache = checked(FlexiCache.from_model(model, profile=mixed_profile(config), token_budget=64, page_size=8,
-                                          principal_bounds=True))
-    assert torch.equal(greedy(model, ids, cache, max_new_tokens=20), reference)
+    cache = assert_same_generation(model, ids, None, 20, profile=mixed_profile(config), token_budget=64,
+                                                page_size=8, principal_bounds=True)
     assert cache.layers[0].storage.basis is not None
 
 

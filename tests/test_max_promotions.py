@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import checked, dense_cache, greedy, left_pad, mixed_profile, random_prompt, tiny_config, tiny_model
+from conftest import (
+    assert_same_generation,
+    checked,
+    greedy,
+    left_pad,
+    mixed_profile,
+    random_prompt,
+    tiny_config,
+    tiny_model,
+)
 
 from flexicache import FlexiCache, HeadProfile
 from flexicache.offload import OffloadedPages
@@ -61,10 +70,8 @@ def test_a_covering_budget_with_a_limit_generates_what_dynamic_cache_generates()
     config = tiny_config(group=2, num_kv_heads=2, num_layers=2)
     model = tiny_model(config, seed=7)
     ids = random_prompt(37, seed=8).view(1, -1)
-    reference = greedy(model, ids, dense_cache(model), max_new_tokens=20)
-    cache = checked(FlexiCache.from_model(model, profile=mixed_profile(config), token_budget=64, page_size=8,
-                                          rerank_interval=1, max_promotions=1))
-    assert torch.equal(greedy(model, ids, cache, max_new_tokens=20), reference)
+    assert_same_generation(model, ids, None, 20, profile=mixed_profile(config), token_budget=64,
+                                        page_size=8, rerank_interval=1, max_promotions=1)
 
 
 def test_a_left_padded_batch_with_a_limit_generates_what_each_request_generates_alone() -> None:

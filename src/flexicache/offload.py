@@ -335,7 +335,7 @@ class OffloadedPages:
                 self._count_promotions(promoted)
                 return
         new_pages, promoted, target_cols, selected = update_selection(scores, num_full_pages, self.selected,
-                                                                           max_promotions)
+                                                                      max_promotions)
         slots_per_row = self.k - 1
         rows = torch.arange(promoted.shape[0], device=promoted.device).unsqueeze(1)
         self._to_device((rows * self.host.k.shape[2] + new_pages.clamp(min=0)).view(-1),

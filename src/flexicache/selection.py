@@ -113,7 +113,8 @@ def select_pages(
 
 
 def update_selection(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: torch.Tensor,
-                     max_promotions: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     max_promotions: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A stable rerank's new selection: the top ``S`` full pages of every row (the sink forced, ties to the lower
     page), pages still selected keeping their slots, the ``r``-th newly promoted page taking the ``r``-th free slot.
 
