@@ -335,6 +335,18 @@ def assert_same_generation(model, ids, mask, max_new_tokens, atol=1e-10, **setti
     return cache
 
 
+def assert_batch_matches_alone(model, prompts: list[torch.Tensor], max_new_tokens: int = 12, **settings) -> None:
+    """A left-padded batch of ``prompts`` generates, greedily with ``FlexiCache.from_model(model, **settings)``
+    (checked), the tokens each prompt generates alone."""
+    ids, mask = left_pad(prompts)
+    batch = greedy(model, ids, checked(FlexiCache.from_model(model, **settings)), mask=mask,
+                   max_new_tokens=max_new_tokens)
+    for row, prompt in enumerate(prompts):
+        alone = greedy(model, prompt.view(1, -1), checked(FlexiCache.from_model(model, **settings)),
+                       max_new_tokens=max_new_tokens)
+        assert torch.equal(batch[row, -max_new_tokens:], alone[0, -max_new_tokens:]), row
+
+
 # ------------------------------------------------------------------------------- state and output checks
 
 

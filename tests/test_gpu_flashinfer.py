@@ -252,10 +252,10 @@ def test_zero_copy_transfers_match_torch_indexing(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize("max_promotions", [None, 3])
-def test_rerank_and_tail_retirement_kernels_match_torch_at_scale(max_promotions: int | None) -> None:
-    """The fused rerank and tail retirement leave exactly the state of their torch versions over 4096 rows (one
-    program each, thousands of warps in flight), rerank after rerank and retirement after retirement, with and
-    without a limit on the promotions. A program
+def test_rerank_refresh_and_tail_retirement_kernels_match_torch_at_scale(max_promotions: int | None) -> None:
+    """The fused rerank, refresh (from standby pages) and tail retirement leave exactly the state of their torch
+    versions over 4096 rows (one program each, thousands of warps in flight), rerank after rerank, refresh after
+    refresh and retirement after retirement, with and without a limit on the promotions. A program
     whose warps each read the row's selection while another warp of it already rewrote it moves part of a page into
     the wrong slot, which shows up as rare run-to-run differences of generate() (what eval/gpu_repeatability.py
     looks for)."""
@@ -270,7 +270,7 @@ def test_rerank_and_tail_retirement_kernels_match_torch_at_scale(max_promotions:
     states = {}
     for zero_copy in (True, False):
         pages = OffloadedPages(PagePool(page_size, head_dim, torch.bfloat16, torch.device("cuda")), batch, heads,
-                               pages_per_head, page_size)
+                               pages_per_head, page_size, standby_pages=6)
         pages.zero_copy = zero_copy
         pages.host.reserve(width + 8)
         states[zero_copy] = pages
@@ -283,7 +283,7 @@ def test_rerank_and_tail_retirement_kernels_match_torch_at_scale(max_promotions:
 
     def assert_same_state(what: str) -> None:
         fused, torch_path = states[True], states[False]
-        for name in ("selected", "selected_scores"):
+        for name in ("selected", "selected_scores", "standby"):
             differs = (getattr(fused, name) != getattr(torch_path, name)).any(1)
             assert not bool(differs.any()), f"{what}: {name} differs in rows {differs.nonzero().view(-1)[:8].tolist()}"
         for name in ("k", "v"):
@@ -307,11 +307,19 @@ def test_rerank_and_tail_retirement_kernels_match_torch_at_scale(max_promotions:
                 pages.retire_full_tails(requests, plan)
             assert_same_state(f"round {round_index}, retirement {retirement}")
             full_pages += 1
+            kmin = torch.randn(batch, heads, width + 8, head_dim, generator=generator, device="cuda").bfloat16()
+            kmax = kmin + torch.rand(kmin.shape, generator=generator, device="cuda").bfloat16()
+            query = torch.randn(rows, 4, head_dim, generator=generator, device="cuda")
+            entry_scores = states[True].refresh_fused(query, kmin, kmax, torch.arange(heads, device="cuda"), "max",
+                                                      0.5, max_promotions)
+            states[False].refresh(entry_scores, full_pages.repeat_interleave(heads), width + 8, max_promotions)
+            assert_same_state(f"round {round_index}, refresh {retirement}")
     assert int(states[True].counters.promoted_pages) == int(states[False].counters.promoted_pages) > 0
 
 
-@pytest.mark.parametrize("settings", [{}, {"page_size": 8, "rerank_interval": 1, "max_promotions": 2}],
-                         ids=["defaults", "limited-promotions"])
+@pytest.mark.parametrize("settings", [{}, {"page_size": 8, "rerank_interval": 1, "max_promotions": 2},
+                                      {"page_size": 8, "standby_pages": 5, "max_promotions": 2}],
+                         ids=["defaults", "limited-promotions", "standby-pages"])
 def test_whole_step_graphs_match_eager_generation(settings: dict) -> None:
     """generate() with whole-step CUDA graphs (from_model's default) gives the tokens and logits of the same cache
     run layer by layer, through a padded batch, reranks at every phase, promotions, retirements and growth; most

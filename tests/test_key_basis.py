@@ -7,11 +7,10 @@ import pytest
 import torch
 from conftest import (
     Driver,
+    assert_batch_matches_alone,
     assert_same_generation,
     check_layer_state,
     checked,
-    greedy,
-    left_pad,
     mixed_profile,
     random_prompt,
     tiny_config,
@@ -104,13 +103,8 @@ def test_covering_budget_generates_what_dynamic_cache_generates() -> None:
 def test_left_padded_batch_equals_each_request_alone() -> None:
     config = tiny_config(group=2, num_kv_heads=2, num_layers=2)
     model = tiny_model(config, seed=5)
-    prompts = [random_prompt(50, seed=6), random_prompt(23, seed=7)]
-    ids, mask = left_pad(prompts)
-    settings = {"profile": mixed_profile(config), "token_budget": 16, "page_size": 4, "principal_bounds": True}
-    batch = greedy(model, ids, FlexiCache.from_model(model, **settings), mask, max_new_tokens=12)
-    for row, prompt in enumerate(prompts):
-        alone = greedy(model, prompt.view(1, -1), FlexiCache.from_model(model, **settings), max_new_tokens=12)
-        assert torch.equal(batch[row, -12:], alone[0, -12:])
+    assert_batch_matches_alone(model, [random_prompt(50, seed=6), random_prompt(23, seed=7)],
+                               profile=mixed_profile(config), token_budget=16, page_size=4, principal_bounds=True)
 
 
 def test_stored_boxes_follow_the_turned_keys_through_decode() -> None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
+    assert_batch_matches_alone,
     assert_same_generation,
     checked,
     greedy,
-    left_pad,
     mixed_profile,
     random_prompt,
     tiny_config,
@@ -77,14 +77,8 @@ def test_a_covering_budget_with_a_limit_generates_what_dynamic_cache_generates()
 def test_a_left_padded_batch_with_a_limit_generates_what_each_request_generates_alone() -> None:
     config = tiny_config(group=2, num_kv_heads=2, num_layers=2)
     model = tiny_model(config, seed=9)
-    prompts = [random_prompt(70, seed=10), random_prompt(45, seed=11)]
-    settings = dict(profile=mixed_profile(config), token_budget=24, page_size=4, rerank_interval=1, max_promotions=1)
-    ids, mask = left_pad(prompts)
-    batch = greedy(model, ids, checked(FlexiCache.from_model(model, **settings)), mask=mask, max_new_tokens=12)
-    for row, prompt in enumerate(prompts):
-        alone = greedy(model, prompt.view(1, -1), checked(FlexiCache.from_model(model, **settings)),
-                       max_new_tokens=12)
-        assert torch.equal(batch[row, -12:], alone[0, -12:])
+    assert_batch_matches_alone(model, [random_prompt(70, seed=10), random_prompt(45, seed=11)],
+                               profile=mixed_profile(config), token_budget=24, page_size=4, rerank_interval=1, max_promotions=1)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "4", True])

@@ -29,7 +29,7 @@ def compile_for_hopper(kernel, constants: dict[str, object], pointer_types: dict
         elif name.endswith("_ptr"):
             signature[name] = pointer_types.get(name, "*bf16" if name in BF16_POINTERS else "*i64")
         else:
-            signature[name] = "i32"
+            signature[name] = pointer_types.get(name, "i32")
     try:
         source = compiler.ASTSource(fn=kernel, signature=signature,
                                     constexprs={(names.index(name),): value for name, value in constants.items()})
@@ -89,13 +89,27 @@ def test_open_pages_kernel_compiles(num_heads: int) -> None:
                        dict(NUM_HEADS=num_heads, BLOCK_B=32, BLOCK_H=triton.next_power_of_2(num_heads)))
 
 
-@pytest.mark.parametrize("slots, block_s", [(63, 2048), (3, 16384)])
+@pytest.mark.parametrize("slots, block_s, standby", [(63, 2048, 16), (3, 16384, 0), (127, 4096, 1)])
 @pytest.mark.parametrize("limited", [False, True])
-def test_rerank_kernel_compiles(slots: int, block_s: int, limited: bool) -> None:
+def test_rerank_kernel_compiles(slots: int, block_s: int, standby: int, limited: bool) -> None:
     compile_for_hopper(triton_rerank._rerank_kernel,
-                       dict(SLOTS=slots, BLOCK_K=triton.next_power_of_2(slots), BLOCK_S=block_s, LIMITED=limited),
+                       dict(SLOTS=slots, STANDBY=standby, BLOCK_K=triton.next_power_of_2(slots),
+                            BLOCK_C=triton.next_power_of_2(max(standby, 1)), BLOCK_S=block_s, LIMITED=limited),
                        {"scores_ptr": "*fp32", "selected_scores_ptr": "*fp32", "copy_mask_ptr": "*i8",
                         "held_ptr": "*i8"})
+
+
+@pytest.mark.parametrize("slots, standby", [(127, 32), (15, 1)])
+@pytest.mark.parametrize("limited", [False, True])
+@pytest.mark.parametrize("spread_weighted", [False, True])
+def test_refresh_kernel_compiles(slots: int, standby: int, limited: bool, spread_weighted: bool) -> None:
+    block_k, block_c = triton.next_power_of_2(slots), triton.next_power_of_2(standby)
+    compile_for_hopper(triton_rerank._refresh_kernel,
+                       dict(SLOTS=slots, STANDBY=standby, GROUP=4, HEAD_DIM=128, BLOCK_K=block_k, BLOCK_C=block_c,
+                            CHUNK_K=min(32, block_k), CHUNK_C=min(32, block_c), REDUCE_SUM=False,
+                            SPREAD_WEIGHTED=spread_weighted, LIMITED=limited),
+                       {"query_ptr": "*fp32", "selected_scores_ptr": "*fp32", "entry_scores_ptr": "*fp32",
+                        "copy_mask_ptr": "*i8", "weight_high": "fp32", "weight_low": "fp32"})
 
 
 @pytest.mark.parametrize("head_dim", [128, 96])

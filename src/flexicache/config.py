@@ -65,6 +65,7 @@ class FlexiCacheConfig:
     rerank_interval: int = 16
     rerank_warmup: int = 0
     max_promotions: int | None = None
+    standby_pages: int = 0
     group_reduce: Literal["max", "sum"] = "max"
     spread_weight: float = 0.5
     principal_bounds: bool = True
@@ -100,6 +101,10 @@ class FlexiCacheConfig:
                 raise ValueError(f"max_promotions must be 1 or more pages per rerank (None: no limit), "
                                  f"got {self.max_promotions!r}.")
             object.__setattr__(self, "max_promotions", max_promotions)
+        standby_pages = integer_argument(self.standby_pages, "standby_pages", "a number of pages, 0 or more")
+        if standby_pages < 0:
+            raise ValueError(f"standby_pages must be 0 or more pages, got {self.standby_pages!r}.")
+        object.__setattr__(self, "standby_pages", standby_pages)
         if not isinstance(self.group_reduce, str) or self.group_reduce not in ("max", "sum"):
             raise ValueError(f"group_reduce must be 'max' or 'sum', got {self.group_reduce!r}.")
         if (isinstance(self.spread_weight, bool) or not isinstance(self.spread_weight, (int, float))

@@ -45,6 +45,8 @@ class DecodePath(Protocol):
 
     def rerank_stable(self, query: torch.Tensor, num_tokens: torch.Tensor, width: int) -> None: ...
 
+    def refresh_stable(self, query: torch.Tensor, num_tokens: torch.Tensor) -> None: ...
+
     def run(self, keys: torch.Tensor, values: torch.Tensor, rows_query: torch.Tensor, plan: AppendPlan,
             scale: float) -> torch.Tensor: ...
 
@@ -119,6 +121,18 @@ class TorchDecode:
         storage.offloaded.rerank(scores, per_row(full_pages, len(storage.stable_heads)),
                                  self.settings.max_promotions if decode else None)
 
+    def refresh_stable(self, query: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """Refresh every stable row (:meth:`~flexicache.offload.OffloadedPages.refresh`) with its heads' queries from
+        ``query [B, Hq, D]``: only its selected and standby pages are scored. Device work only."""
+        storage, settings = self.storage, self.settings
+        offloaded = storage.offloaded
+        grouped = storage.bound_rows(storage.group_queries(query, storage.stable_index), storage.stable_index)
+        kmin, kmax = storage.meta.listed_rows(storage.stable_index, offloaded.listed_pages())
+        entry_scores = quest_page_scores(grouped, kmin, kmax, settings.group_reduce, settings.spread_weight)
+        full_pages = (num_tokens - 1).clamp(min=0) // settings.page_size
+        offloaded.refresh(entry_scores, per_row(full_pages, len(storage.stable_heads)), storage.meta.kmin.shape[2],
+                          settings.max_promotions)
+
     def run(self, keys: torch.Tensor, values: torch.Tensor, rows_query: torch.Tensor, plan: AppendPlan,
             scale: float) -> torch.Tensor:
         """Append the step's token (``keys``/``values`` ``[B, H, D]``) and attend: ``[B * H, G, D]`` for
@@ -190,6 +204,17 @@ class FusedDecode(TorchDecode):
         storage, settings = self.storage, self.settings
         return stable_page_scores(query, storage.meta.kmin, storage.meta.kmax, num_tokens, storage.stable_index,
                                   width, settings.page_size, settings.group_reduce, settings.spread_weight)
+
+    def refresh_stable(self, query: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """One kernel scoring and refreshing every stable row (the torch path gathers the listed pages' boxes)."""
+        storage, settings = self.storage, self.settings
+        if not storage.offloaded.zero_copy:
+            return super().refresh_stable(query, num_tokens)
+        batch_size, num_query_heads, head_dim = query.shape
+        rows_query = query.reshape(batch_size * storage.num_kv_heads, num_query_heads // storage.num_kv_heads, head_dim)
+        storage.offloaded.refresh_fused(storage.bound_rows(rows_query).contiguous(), storage.meta.kmin,
+                                        storage.meta.kmax, storage.stable_index, settings.group_reduce,
+                                        settings.spread_weight, settings.max_promotions)
 
     def fits(self) -> bool:
         """Whether the Triton kernels can build this step's table (rows short enough for their registers)."""
@@ -332,7 +357,8 @@ class GraphedDecode(FusedDecode):
         offloaded = self.storage.offloaded
         if offloaded is not None:  # what the rerank reads and writes besides the launch's storage
             storage_key += tuple((t.data_ptr(), t.shape) for t in (
-                offloaded.host.k, offloaded.host.v, offloaded.selected, offloaded.selected_scores))
+                offloaded.host.k, offloaded.host.v, offloaded.selected, offloaded.selected_scores,
+                offloaded.standby) if t is not None)
         return launch, storage_key
 
     def prepare_recording(self, plan: AppendPlan, rerank: bool) -> tuple[bool, tuple]:
@@ -361,6 +387,8 @@ class GraphedDecode(FusedDecode):
                        storage.open_start)
         if self.recorded_rerank:  # scores the metadata's whole capacity: a width that does not change per step
             self.rerank_stable(query, step.num_tokens, storage.meta.kmin.shape[2])
+        if self.settings.standby_pages and storage.offloaded is not None:
+            self.refresh_stable(query, step.num_tokens)
         # The recorded step's own tensors are static inside its graph: no copy into the graph's buffers.
         self.recorded_launch(keys, values, rows_query.contiguous())
         return self.graph.output

@@ -4,7 +4,9 @@ Per row (request, stable head) the device holds ``K`` slots: ``K - 1`` for selec
 them) and the last one for the tail page (the page being written, 1..ps tokens). Full pages live in the host
 tier. A rerank scores every full page from the device-resident min/max metadata and copies only the newly
 promoted pages to the device; a tail page that fills is copied to the host and takes over a selected slot
-until the next rerank decides.
+until the next rerank decides. With standby pages, every decode step also *refreshes* each row: it rescores its
+selected pages and its standby pages (the best pages outside the selection at its last rerank) and swaps in those
+that now score higher, so the selection follows the queries between reranks without scoring every page.
 
 A host tier narrower than the KV (``host_dtype="float8_e4m3fn"``) stores each key less its row's centre (the
 per-channel median of the request's first-chunk keys for that head, in fp32, fp64 for fp64 KV): a head's
@@ -26,7 +28,7 @@ from flexicache import host_tier
 from flexicache.backends import triton_available
 from flexicache.host_tier import HostTier
 from flexicache.paging import PagePool
-from flexicache.selection import update_selection
+from flexicache.selection import standby_after, update_selection
 from flexicache.sequence import AppendPlan, host_to_device, per_row
 
 
@@ -56,11 +58,13 @@ class OffloadedPages:
     the slot of (row ``r``, position ``j``) is ``base + r * K + j``;
     ``selected``: ``[B * h, K - 1]`` page held by each selection slot (``-1`` = empty);
     ``selected_scores``: ``[B * h, K - 1]`` score of that page at the last rerank (``+inf`` = keep);
+    ``standby``: ``[B * h, C]`` with ``standby_pages = C``: the best full pages outside the selection at the last
+    rerank, ascending, ``-1`` padded (``None`` without standby pages);
     ``key_centre``: ``[B * h, D]`` what the host tier's keys are stored less (a narrower tier only, else ``None``).
     """
 
     def __init__(self, pool: PagePool, batch_size: int, num_heads: int, pages_per_head: int, page_size: int,
-                 host_pages: int = 0, host_dtype: torch.dtype | None = None) -> None:
+                 host_pages: int = 0, host_dtype: torch.dtype | None = None, standby_pages: int = 0) -> None:
         self.pool = pool
         self.num_heads = num_heads
         self.k = pages_per_head
@@ -70,6 +74,7 @@ class OffloadedPages:
         device, dtype, head_dim = pool.k.device, pool.k.dtype, pool.k.shape[-1]
         self.selected = torch.full((rows, pages_per_head - 1), -1, dtype=torch.long, device=device)
         self.selected_scores = torch.full((rows, pages_per_head - 1), float("-inf"), device=device)
+        self.standby = torch.full((rows, standby_pages), -1, dtype=torch.long, device=device) if standby_pages else None
         self.all_requests = torch.arange(batch_size, device=device)
         self.host = HostTier(batch_size, num_heads, page_size, head_dim, host_dtype or dtype,
                              pin_memory=host_tier.pins_host_tier(device), capacity=host_pages)
@@ -274,6 +279,8 @@ class OffloadedPages:
         gone = self.selected >= full_pages.unsqueeze(1)
         self.selected.masked_fill_(gone, -1)  # in place: captured decode graphs read this storage
         self.selected_scores.masked_fill_(gone, float("-inf"))
+        if self.standby is not None:
+            self.standby.masked_fill_(self.standby >= full_pages.unsqueeze(1), -1)
         new_pages = (after + page_size - 1) // page_size
         moved = ((new_pages < (before + page_size - 1) // page_size) & (after > 0)).nonzero().view(-1)
         if moved.numel():
@@ -288,12 +295,14 @@ class OffloadedPages:
         return self.pool.k[self._tail_slots(batch)].view(batch.numel(), self.num_heads, self.page_size, -1)
 
     def take_rows(self, source: OffloadedPages, index: torch.Tensor) -> None:
-        """Hold the rows of requests ``index [B']`` (CPU) of ``source`` (another pool's): device slots, selections,
-        host tier (copied request by request, no dense copy), counters and rerank phase."""
+        """Hold the rows of requests ``index [B']`` (CPU) of ``source`` (another pool's): device slots, selections
+        and standby pages, host tier (copied request by request, no dense copy), counters and rerank phase."""
         device = self.pool.k.device
         rows = source._rows_of(index.to(device))  # [B' * h] source row of each new row, in order
         self.selected.copy_(source.selected[rows])
         self.selected_scores.copy_(source.selected_scores[rows])
+        if self.standby is not None:
+            self.standby.copy_(source.standby[rows])
         positions = torch.arange(self.k, device=device)
         target = self.base + torch.arange(rows.numel(), device=device).view(-1, 1) * self.k + positions
         held = source.base + rows.view(-1, 1) * self.k + positions  # [B' * h, K] each
@@ -331,7 +340,7 @@ class OffloadedPages:
             if fits_fused_rerank(scores, self.k - 1):  # the same result as below, in two launches
                 promoted = rerank_rows(scores.contiguous(), num_full_pages, self.selected, self.selected_scores,
                                        self.host.pages(), self._device_pages(), self.base, self.host.k.shape[2],
-                                       self.key_centre, max_promotions)
+                                       self.key_centre, max_promotions, self.standby)
                 self._count_promotions(promoted)
                 return
         new_pages, promoted, target_cols, selected = update_selection(scores, num_full_pages, self.selected,
@@ -346,6 +355,48 @@ class OffloadedPages:
         page_scores = scores.gather(1, selected.clamp(min=0)).to(self.selected_scores.dtype)
         page_scores = page_scores.masked_fill(selected == 0, float("inf"))
         self.selected_scores.copy_(page_scores.masked_fill(selected < 0, float("-inf")))
+        if self.standby is not None:
+            self.standby.copy_(standby_after(scores, num_full_pages, selected, self.standby.shape[1]))
+
+    def listed_pages(self) -> torch.Tensor:
+        """``[B * h, S + C]`` the pages a refresh reads: each row's selection slots, then its standby pages (``-1``:
+        none)."""
+        return torch.cat([self.selected, self.standby], dim=1)
+
+    def refresh(self, entry_scores: torch.Tensor, num_full_pages: torch.Tensor, width: int,
+                max_promotions: int | None = None) -> None:
+        """Rerank every row among the pages it holds or keeps on standby only (:meth:`listed_pages`, scored
+        ``entry_scores [B * h, S + C]``): the best of them fill the selection, the others are the new standby.
+
+        Args:
+            num_full_pages: ``[B * h]`` full pages of each row; width: at least the longest row's full pages.
+            max_promotions: as for :meth:`rerank`.
+        """
+        listed = self.listed_pages()
+        scores = entry_scores.new_full((listed.shape[0], width + 1), float("-inf"))
+        scores.scatter_(1, listed.masked_fill(listed < 0, width), entry_scores)  # -1 entries land in the last column
+        self.rerank(scores[:, :width], num_full_pages, max_promotions)
+
+    def refresh_fused(self, query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, heads: torch.Tensor,
+                      group_reduce: str, spread_weight: float, max_promotions: int | None = None) -> torch.Tensor:
+        """:meth:`refresh` scoring the listed pages itself, in one Triton program per row plus the promotion copy
+        (:func:`~flexicache.backends.triton_rerank.refresh_rows`; zero-copy path only). Device work only.
+
+        Args:
+            query: ``[B * H, G, D]`` every row's queries in the axes of the page boxes; kmin, kmax: the layer's page
+                min/max ``[B, H, P, D]``; heads: ``[h]`` the KV heads of this class's rows.
+
+        Returns:
+            ``[B * h, K - 1 + C]`` the scores of the listed pages it read (selected, then standby).
+        """
+        from flexicache.backends.triton_rerank import refresh_rows
+
+        promoted, entry_scores = refresh_rows(
+            query, kmin, kmax, heads, self.selected, self.selected_scores, self.standby, self.host.pages(),
+            self._device_pages(), self.base, self.host.k.shape[2], group_reduce, spread_weight, self.key_centre,
+            max_promotions)
+        self._count_promotions(promoted)
+        return entry_scores
 
     def _count_promotions(self, count: torch.Tensor) -> None:
         """Add ``count`` (a device tensor: no sync) promoted pages to the counters (in place on the zero-copy path:

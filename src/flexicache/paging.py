@@ -100,6 +100,15 @@ class PageMetadata:
         )
 
 
+    def listed_rows(self, heads: torch.Tensor, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kmin, kmax)`` ``[B * len(heads), L, D]`` of the pages ``pages [B * len(heads), L]`` of each row of
+        ``heads`` (``-1`` entries read page 0)."""
+        batch = torch.arange(self.kmin.shape[0], device=pages.device).repeat_interleave(heads.numel()).unsqueeze(1)
+        head = heads.repeat(self.kmin.shape[0]).unsqueeze(1)
+        pages = pages.clamp(min=0)
+        return self.kmin[batch, head, pages], self.kmax[batch, head, pages]
+
+
 class PagePool:
     """One layer's device pages: ``k``/``v`` of shape ``[S, ps, D]``, handed out in slot ranges that never move.
 

@@ -58,7 +58,8 @@ class LayerStorage:
         if self.stable_heads:
             self.offloaded = OffloadedPages(self.pool, batch_size, len(self.stable_heads), pages_per_head, page_size,
                                             host_pages=settings.reserved_pages,
-                                            host_dtype=settings.host_tier_dtype(dtype))
+                                            host_dtype=settings.host_tier_dtype(dtype),
+                                            standby_pages=settings.standby_pages)
             self.write_slots[:, self.stable_index] = self.offloaded.tail_slots()
         self._reserved_plan: AppendPlan | None = None  # the graphed step whose room reserve_graphed_step made
         self.basis: KeyBasis | None = None  # the page boxes' axes (principal_bounds), set by the first chunk

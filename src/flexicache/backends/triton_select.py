@@ -86,6 +86,36 @@ def _row_of(pid, num_unstable_rows, num_unstable, num_stable, num_heads, unstabl
     return index, batch, batch * num_heads + head
 
 
+@triton.jit
+def _box_scores(query_ptr, query_row, kmin_ptr, kmax_ptr, offsets, valid, weight_high, weight_low,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, REDUCE_SUM: tl.constexpr,
+                SPREAD_WEIGHTED: tl.constexpr):
+    """``[BLOCK]`` box scores of the pages whose min/max sit at ``offsets [BLOCK, HEAD_DIM]`` (where ``valid``) for
+    the ``GROUP`` queries of ``query_row`` (int64): Quest's bound, or with ``SPREAD_WEIGHTED`` the corners weighted
+    ``weight_high``/``weight_low`` (:func:`~flexicache.selection.quest_page_scores`), max or sum over the group."""
+    dims = tl.arange(0, HEAD_DIM)
+    kmin = tl.load(kmin_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+    kmax = tl.load(kmax_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+    if REDUCE_SUM:
+        score = tl.zeros([BLOCK], dtype=tl.float32)
+    else:
+        score = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    for g in tl.static_range(GROUP):
+        q = tl.load(query_ptr + (query_row * GROUP + g) * HEAD_DIM + dims).to(tl.float32)
+        if SPREAD_WEIGHTED:
+            positive, negative = tl.maximum(q, 0.0), tl.minimum(q, 0.0)
+            high = weight_high * positive + weight_low * negative
+            low = weight_high * negative + weight_low * positive
+            bound = tl.sum(high[None, :] * kmax + low[None, :] * kmin, axis=1)
+        else:
+            bound = tl.sum(tl.maximum(q[None, :] * kmax, q[None, :] * kmin), axis=1)
+        if REDUCE_SUM:
+            score += bound
+        else:
+            score = tl.maximum(score, bound)
+    return score
+
+
 @triton.jit(do_not_specialize=["num_listed", "num_heads", "meta_capacity", "scores_stride", "weight_high",
                                 "weight_low"])
 def _score_pages_kernel(query_ptr, kmin_ptr, kmax_ptr, num_tokens_ptr, heads_ptr, scores_ptr,
@@ -118,25 +148,8 @@ def _score_pages_kernel(query_ptr, kmin_ptr, kmax_ptr, num_tokens_ptr, heads_ptr
     if scored:
         dims = tl.arange(0, HEAD_DIM)
         offsets = (row.to(tl.int64) * meta_capacity + page[:, None]) * HEAD_DIM + dims[None, :]
-        kmin = tl.load(kmin_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
-        kmax = tl.load(kmax_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
-        if REDUCE_SUM:
-            score = tl.zeros([BLOCK_P], dtype=tl.float32)
-        else:
-            score = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
-        for g in tl.static_range(GROUP):
-            q = tl.load(query_ptr + (query_row.to(tl.int64) * GROUP + g) * HEAD_DIM + dims).to(tl.float32)
-            if SPREAD_WEIGHTED:
-                positive, negative = tl.maximum(q, 0.0), tl.minimum(q, 0.0)
-                high = weight_high * positive + weight_low * negative
-                low = weight_high * negative + weight_low * positive
-                bound = tl.sum(high[None, :] * kmax + low[None, :] * kmin, axis=1)
-            else:
-                bound = tl.sum(tl.maximum(q[None, :] * kmax, q[None, :] * kmin), axis=1)
-            if REDUCE_SUM:
-                score += bound
-            else:
-                score = tl.maximum(score, bound)
+        score = _box_scores(query_ptr, query_row.to(tl.int64), kmin_ptr, kmax_ptr, offsets, valid, weight_high,
+                            weight_low, GROUP, HEAD_DIM, BLOCK_P, REDUCE_SUM, SPREAD_WEIGHTED)
         if not STABLE_RERANK:
             score = tl.where((page == 0) | (page == num_pages - 1), float("inf"), score)
         tl.store(scores_ptr + index.to(tl.int64) * scores_stride + page, score, mask=valid)
