@@ -234,7 +234,8 @@ def check_stable_scores() -> None:
 
 def check_rerank() -> None:
     """The fused rerank leaves the selection, scores, device slots and promotion count the torch rerank leaves:
-    rows with no, few (< K - 1) and many full pages, scores with ties everywhere (small integers, all zero), each
+    rows with no, few (< K - 1) and many full pages, scores with ties everywhere (small integers, all zero) and
+    mostly -inf (no candidates: a refresh's scores on the torch path), each
     rerank starting from the selection the previous one left (tail retirements: check_transfers), with and without
     ``max_promotions``. Then
     :func:`check_stable_scores`."""
@@ -256,6 +257,8 @@ def check_rerank() -> None:
     num_full = torch.tensor([0, 2, 12, 12, 7, 4])  # rows r = b * heads + head
     draws = [torch.randint(0, 4, (6, width), generator=generator).float() for _ in range(3)]
     draws += [torch.randn(6, width, generator=generator), torch.zeros(6, width)]
+    sparse = torch.randn(6, width, generator=generator)  # most pages -inf, as a refresh on the torch path scores
+    draws.append(sparse.masked_fill(torch.rand(6, width, generator=generator) < 0.7, float("-inf")))
     for max_promotions in (None, 1, 2):
         for fused in (True, False):
             state = copy.deepcopy(pages)

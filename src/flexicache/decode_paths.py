@@ -206,15 +206,19 @@ class FusedDecode(TorchDecode):
                                   width, settings.page_size, settings.group_reduce, settings.spread_weight)
 
     def refresh_stable(self, query: torch.Tensor, num_tokens: torch.Tensor) -> None:
-        """One kernel scoring and refreshing every stable row (the torch path gathers the listed pages' boxes)."""
+        """One kernel scoring and refreshing every stable row (the torch path gathers the listed pages' boxes), for
+        rows the fused refresh holds."""
+        from flexicache.backends.triton_rerank import fits_fused_refresh
+
         storage, settings = self.storage, self.settings
-        if not storage.offloaded.zero_copy:
+        offloaded = storage.offloaded
+        if not (offloaded.zero_copy and fits_fused_refresh(offloaded.k - 1, settings.standby_pages)):
             return super().refresh_stable(query, num_tokens)
         batch_size, num_query_heads, head_dim = query.shape
         rows_query = query.reshape(batch_size * storage.num_kv_heads, num_query_heads // storage.num_kv_heads, head_dim)
-        storage.offloaded.refresh_fused(storage.bound_rows(rows_query).contiguous(), storage.meta.kmin,
-                                        storage.meta.kmax, storage.stable_index, settings.group_reduce,
-                                        settings.spread_weight, settings.max_promotions)
+        offloaded.refresh_fused(storage.bound_rows(rows_query).contiguous(), storage.meta.kmin, storage.meta.kmax,
+                                storage.stable_index, settings.group_reduce, settings.spread_weight,
+                                settings.max_promotions)
 
     def fits(self) -> bool:
         """Whether the Triton kernels can build this step's table (rows short enough for their registers)."""

@@ -49,11 +49,12 @@ def _rerank_kernel(scores_ptr, num_full_ptr, selected_ptr, selected_scores_ptr, 
     n = tl.load(num_full_ptr + row).to(tl.int32)  # candidate pages: the row's full pages
     page = tl.arange(0, BLOCK_S)
     columns = tl.arange(0, BLOCK_K)
-    full = page < n
-    valid = full
     scores_row = scores_ptr + row.to(tl.int64) * scores_stride
-    key = _order_key(tl.where(page == 0, float("inf"), tl.load(scores_row + page, mask=valid, other=0.0)))
-    key = key.to(tl.int64)
+    score = tl.load(scores_row + page, mask=page < n, other=float("-inf"))
+    # A -inf score is no candidate (select_pages' padding), but the sink of a row with full pages is forced.
+    full = (page < n) & ((score != float("-inf")) | (page == 0))
+    valid = full
+    key = _order_key(tl.where(page == 0, float("inf"), score)).to(tl.int64)
     if LIMITED:
         valid = _limit_promotions(key, valid, page, columns, selected_ptr + row.to(tl.int64) * SLOTS,
                                   held_ptr + row.to(tl.int64) * BLOCK_S, max_promotions, SLOTS)
@@ -214,6 +215,15 @@ def _refresh_kernel(query_ptr, kmin_ptr, kmax_ptr, stable_heads_ptr, selected_pt
 MAX_RERANK_SLOTS = 128  # selection slots per row: the kernel pairs slots in [slots x slots] tiles
 
 
+MAX_REFRESH_STANDBY = 64  # standby pages per row the fused refresh ranks in registers ([slots x standby] tiles)
+
+
+def fits_fused_refresh(slots: int, standby: int) -> bool:
+    """Whether :func:`refresh_rows` takes rows of ``slots`` selection slots and ``standby`` standby pages; larger
+    ones take the torch path."""
+    return slots <= MAX_RERANK_SLOTS and standby <= MAX_REFRESH_STANDBY
+
+
 def fits_fused_rerank(scores: torch.Tensor, slots: int) -> bool:
     """Whether :func:`rerank_rows` takes these fp32 ``scores [R, W]`` (rows held in registers) and ``slots`` per row;
     other cases (very long rows, very large budgets) take the torch path."""
@@ -288,6 +298,9 @@ def refresh_rows(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, st
     """
     rows, slots = selected.shape
     count = standby.shape[1]
+    if not fits_fused_refresh(slots, count):
+        raise ValueError(f"fused refresh takes at most {MAX_RERANK_SLOTS} slots and {MAX_REFRESH_STANDBY} standby "
+                         f"pages per row, got {slots} and {count}")
     group, head_dim = query.shape[1], query.shape[2]
     block_k, block_c = triton.next_power_of_2(max(slots, 1)), triton.next_power_of_2(max(count, 1))
     entry_scores = torch.empty(rows, slots + count, dtype=torch.float32, device=query.device)
