@@ -6,6 +6,7 @@ written from the DESIGN document, not from the library code, so a test compares 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -360,7 +361,7 @@ def check_layer_state(driver: Driver, cache: FlexiCache, settled: bool = True) -
 
     ``settled=False`` right after a crop/reorder: the stable heads have no selection until the next decode step.
     """
-    page_size, k = cache.settings.page_size, cache.settings.pages_per_head
+    page_size = cache.settings.page_size
     batch = driver.attention_mask.shape[0]
     for layer_idx, layer in enumerate(cache.layers):
         dense = driver.dense.layers[layer_idx]
@@ -399,10 +400,10 @@ def check_layer_state(driver: Driver, cache: FlexiCache, settled: bool = True) -
                     if page < 0:
                         continue
                     span = slice(page * page_size, (page + 1) * page_size)
-                    slot_index = off.base + row * k + slot
+                    slot_index = off.base + row * off.slots_per_row + slot
                     assert torch.equal(off.pool.k[slot_index], real_keys[head, span]), (layer_idx, b, page)
                     assert torch.equal(off.pool.v[slot_index], real_values[head, span]), (layer_idx, b, page)
-                tail = off.pool.k[off.base + row * k + k - 1]
+                tail = off.pool.k[off.base + (row + 1) * off.slots_per_row - 1]
                 last_len = n - (num_pages - 1) * page_size
                 assert torch.equal(tail[:last_len], real_keys[head, (num_pages - 1) * page_size:]), "tail slot"
                 # the host tier holds every full page exactly
@@ -446,13 +447,19 @@ def expected_decode(driver: Driver, cache: FlexiCache, layer_idx: int, reranked:
             if head in layer.unstable_heads:
                 pages = reference_topk(scores, num_pages, k, force_last=True)
             else:
+                offloaded = layer.storage.offloaded
                 row = b * len(layer.stable_heads) + layer.stable_heads.index(head)
-                selected = sorted(p for p in layer.storage.offloaded.selected[row].tolist() if p >= 0)
+                held = offloaded.selected[row].tolist()
+                working = sorted(p for p in held if p >= 0)
                 if reranked:
-                    assert selected == reference_topk(scores[:full_pages], full_pages, k - 1, force_last=False), (
+                    assert working == reference_topk(scores[:full_pages], full_pages, len(held), force_last=False), (
                         f"layer {layer_idx} request {b} stable head {head}: rerank is not the Quest top-K")
-                assert len(selected) == min(k - 1, full_pages), "stable head lists fewer pages than it may"
-                pages = selected + [num_pages - 1]
+                assert len(working) == min(len(held), full_pages), "stable head holds fewer pages than it may"
+                # With standby pages: the K - 1 best held slots for this step's query (sink first, ties to the lower
+                # slot); without, every held page.
+                ranked = sorted((slot for slot, p in enumerate(held) if p >= 0),
+                                key=lambda slot: (-(math.inf if held[slot] == 0 else float(scores[held[slot]])), slot))
+                pages = sorted(held[slot] for slot in ranked[:k - 1]) + [num_pages - 1]
             if num_pages <= k:
                 assert pages == list(range(num_pages)), "budget covers the context: every page attended"
             tokens = torch.cat([torch.arange(p * page_size, min((p + 1) * page_size, n)) for p in pages])

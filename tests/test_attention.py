@@ -2,9 +2,10 @@
 
 A FlexiCache is driven layer by layer with random q/k/v. After every decode step the expected output of every
 (request, KV head) is rebuilt from scratch: the tokens come from a DynamicCache fed the same keys/values, the
-pages of an unstable head from a Quest top-K written here, the pages of a stable head from its ``selected`` slots
-plus the tail (and, at the steps where a rerank is due, ``selected`` itself must be the Quest top-(K-1) of the full
-pages). The expected output is a plain softmax over exactly those tokens.
+pages of an unstable head from a Quest top-K written here, the pages of a stable head from its ``selected`` working
+set (all of it, or with standby pages its K - 1 best for the step's query) plus the tail (and, at the steps where a
+rerank is due, ``selected`` itself must be the Quest top-(K-1+C) of the full pages). The expected output is a plain
+softmax over exactly those tokens.
 """
 
 from __future__ import annotations
@@ -16,24 +17,26 @@ from conftest import Driver, checked, expected_decode, masked_attention, tiny_co
 from flexicache import FlexiCache, HeadProfile
 
 CASES = [
-    # page_size, budget, group, lengths, rerank_interval, reduce, unstable heads of (3 layers x 2 KV heads)
-    pytest.param(4, 16, 2, [37], 3, "max", [(0, 0), (0, 1), (1, 0)], id="single"),
-    pytest.param(4, 12, 3, [45, 20, 9], 4, "max", [(0, 1), (1, 0), (1, 1)], id="batch-left-padded"),
-    pytest.param(8, 24, 1, [60, 33], 5, "sum", [(0, 0), (1, 1)], id="group1-sum"),
-    pytest.param(2, 6, 4, [29, 30], 2, "max", [(0, 0), (2, 1)], id="tiny-pages"),
-    pytest.param(4, 8, 2, [21], 7, "max", [(1, 1)], id="K2"),
-    pytest.param(4, 256, 2, [30, 11], 3, "max", [(0, 0), (1, 1)], id="budget-covers-context"),
+    # page_size, budget, group, lengths, rerank_interval, reduce, unstable heads of (3 layers x 2 KV heads), standby
+    pytest.param(4, 16, 2, [37], 3, "max", [(0, 0), (0, 1), (1, 0)], 0, id="single"),
+    pytest.param(4, 12, 3, [45, 20, 9], 4, "max", [(0, 1), (1, 0), (1, 1)], 0, id="batch-left-padded"),
+    pytest.param(8, 24, 1, [60, 33], 5, "sum", [(0, 0), (1, 1)], 0, id="group1-sum"),
+    pytest.param(2, 6, 4, [29, 30], 2, "max", [(0, 0), (2, 1)], 0, id="tiny-pages"),
+    pytest.param(4, 8, 2, [21], 7, "max", [(1, 1)], 0, id="K2"),
+    pytest.param(4, 256, 2, [30, 11], 3, "max", [(0, 0), (1, 1)], 0, id="budget-covers-context"),
+    pytest.param(4, 16, 2, [45, 20, 9], 6, "max", [(0, 1), (1, 0)], 3, id="standby-pages"),
+    pytest.param(2, 6, 4, [29, 30], 4, "sum", [(2, 1)], 1, id="standby-K3"),
 ]
 
 
 @pytest.mark.parametrize("principal", [False, True], ids=["model-axes", "principal-axes"])
-@pytest.mark.parametrize("page_size,budget,group,lengths,interval,reduce,unstable", CASES)
+@pytest.mark.parametrize("page_size,budget,group,lengths,interval,reduce,unstable,standby", CASES)
 def test_sparse_decode_equals_dense_over_selected_pages(page_size, budget, group, lengths, interval, reduce,
-                                                        unstable, principal):
+                                                        unstable, standby, principal):
     config = tiny_config(group=group, num_kv_heads=2, num_layers=3, head_dim=8)
     cache = checked(FlexiCache(config, profile=HeadProfile(3, 2, 8, unstable), token_budget=budget,
                                page_size=page_size, rerank_interval=interval, group_reduce=reduce,
-                               principal_bounds=principal))
+                               principal_bounds=principal, standby_pages=standby))
     driver = Driver(config, cache, seed=sum(lengths))
     driver.prefill(lengths)
     since = [layer_idx % interval for layer_idx in range(3)]  # reranks are staggered by layer

@@ -147,6 +147,6 @@ def test_float8_tier_pages_under_reranks_and_evictions():
                     if page < 0:
                         continue
                     exact = real_keys[head, page * page_size:(page + 1) * page_size]
-                    held = off.pool.k[off.base + row * off.k + slot]
+                    held = off.pool.k[off.base + row * off.slots_per_row + slot]
                     retired = page >= prompt_pages and torch.equal(held, exact)  # a decode page, still on the device
                     assert torch.equal(held, rounded(exact, centre)) or retired

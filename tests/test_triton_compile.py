@@ -48,11 +48,15 @@ def test_score_pages_kernel_compiles(reduce_sum: bool, stable_rerank: bool) -> N
 
 
 @pytest.mark.parametrize("write_table, write_flat", [(False, True), (True, False)])
-def test_decode_table_kernel_compiles(write_table: bool, write_flat: bool) -> None:
+@pytest.mark.parametrize("slots", [63, 143])  # K - 1 = 63 working-set slots, or 80 standby pages more
+def test_decode_table_kernel_compiles(write_table: bool, write_flat: bool, slots: int) -> None:
     flat = {"flat_ptr": "*i32", "indptr_ptr": "*i32"} if write_flat else {}
     compile_for_hopper(triton_select._decode_table_kernel,
-                       dict(K=64, PAGE_SIZE=16, BLOCK_K=64, BLOCK_S=4096, WRITE_TABLE=write_table,
-                            WRITE_FLAT=write_flat), {"scores_ptr": "*fp32", **flat})
+                       dict(K=64, SLOTS=slots, PAGE_SIZE=16, BLOCK_K=64, BLOCK_W=triton.next_power_of_2(slots),
+                            BLOCK_S=4096, CHUNK_W=32, GROUP=4, HEAD_DIM=128, REDUCE_SUM=False, SPREAD_WEIGHTED=True,
+                            WRITE_TABLE=write_table, WRITE_FLAT=write_flat),
+                       {"scores_ptr": "*fp32", "selected_scores_ptr": "*fp32", "working_scores_ptr": "*fp32",
+                        "query_ptr": "*fp32", "weight_high": "fp32", "weight_low": "fp32", **flat})
 
 
 def test_append_token_kernel_compiles() -> None:
@@ -89,27 +93,13 @@ def test_open_pages_kernel_compiles(num_heads: int) -> None:
                        dict(NUM_HEADS=num_heads, BLOCK_B=32, BLOCK_H=triton.next_power_of_2(num_heads)))
 
 
-@pytest.mark.parametrize("slots, block_s, standby", [(63, 2048, 16), (3, 16384, 0), (127, 4096, 1)])
+@pytest.mark.parametrize("slots, block_s", [(63, 2048), (3, 16384), (151, 4096)])
 @pytest.mark.parametrize("limited", [False, True])
-def test_rerank_kernel_compiles(slots: int, block_s: int, standby: int, limited: bool) -> None:
+def test_rerank_kernel_compiles(slots: int, block_s: int, limited: bool) -> None:
     compile_for_hopper(triton_rerank._rerank_kernel,
-                       dict(SLOTS=slots, STANDBY=standby, BLOCK_K=triton.next_power_of_2(slots),
-                            BLOCK_C=triton.next_power_of_2(max(standby, 1)), BLOCK_S=block_s, LIMITED=limited),
-                       {"scores_ptr": "*fp32", "selected_scores_ptr": "*fp32", "copy_mask_ptr": "*i8",
-                        "held_ptr": "*i8"})
-
-
-@pytest.mark.parametrize("slots, standby", [(127, 32), (15, 1)])
-@pytest.mark.parametrize("limited", [False, True])
-@pytest.mark.parametrize("spread_weighted", [False, True])
-def test_refresh_kernel_compiles(slots: int, standby: int, limited: bool, spread_weighted: bool) -> None:
-    block_k, block_c = triton.next_power_of_2(slots), triton.next_power_of_2(standby)
-    compile_for_hopper(triton_rerank._refresh_kernel,
-                       dict(SLOTS=slots, STANDBY=standby, GROUP=4, HEAD_DIM=128, BLOCK_K=block_k, BLOCK_C=block_c,
-                            CHUNK_K=min(32, block_k), CHUNK_C=min(32, block_c), REDUCE_SUM=False,
-                            SPREAD_WEIGHTED=spread_weighted, LIMITED=limited),
-                       {"query_ptr": "*fp32", "selected_scores_ptr": "*fp32", "entry_scores_ptr": "*fp32",
-                        "copy_mask_ptr": "*i8", "weight_high": "fp32", "weight_low": "fp32"})
+                       dict(SLOTS=slots, BLOCK_K=triton.next_power_of_2(slots), BLOCK_S=block_s, LIMITED=limited),
+                       {"scores_ptr": "*fp32", "selected_scores_ptr": "*fp32", "page_scratch_ptr": "*i32",
+                        "copy_mask_ptr": "*i8", "held_ptr": "*i8"})
 
 
 @pytest.mark.parametrize("head_dim", [128, 96])

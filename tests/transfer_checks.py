@@ -44,7 +44,7 @@ def assert_selected_slots_hold_their_pages(cache: FlexiCache) -> None:
             continue
         host_k, host_v = pages.host.pages()
         row, column = (pages.selected >= 0).nonzero(as_tuple=True)
-        device_slot = pages.base + row * pages.k + column
+        device_slot = pages.base + row * pages.slots_per_row + column
         host_page = (row * pages.host.k.shape[2] + pages.selected[row, column]).to(host_k.device)
         centre = None if pages.key_centre is None else pages.key_centre[row].cpu().unsqueeze(1)  # [n, 1, D]
         for device_pages, host_pages, offset in ((pages.pool.k, host_k, centre), (pages.pool.v, host_v, None)):

@@ -45,8 +45,6 @@ class DecodePath(Protocol):
 
     def rerank_stable(self, query: torch.Tensor, num_tokens: torch.Tensor, width: int) -> None: ...
 
-    def refresh_stable(self, query: torch.Tensor, num_tokens: torch.Tensor) -> None: ...
-
     def run(self, keys: torch.Tensor, values: torch.Tensor, rows_query: torch.Tensor, plan: AppendPlan,
             scale: float) -> torch.Tensor: ...
 
@@ -121,18 +119,6 @@ class TorchDecode:
         storage.offloaded.rerank(scores, per_row(full_pages, len(storage.stable_heads)),
                                  self.settings.max_promotions if decode else None)
 
-    def refresh_stable(self, query: torch.Tensor, num_tokens: torch.Tensor) -> None:
-        """Refresh every stable row (:meth:`~flexicache.offload.OffloadedPages.refresh`) with its heads' queries from
-        ``query [B, Hq, D]``: only its selected and standby pages are scored. Device work only."""
-        storage, settings = self.storage, self.settings
-        offloaded = storage.offloaded
-        grouped = storage.bound_rows(storage.group_queries(query, storage.stable_index), storage.stable_index)
-        kmin, kmax = storage.meta.listed_rows(storage.stable_index, offloaded.listed_pages())
-        entry_scores = quest_page_scores(grouped, kmin, kmax, settings.group_reduce, settings.spread_weight)
-        full_pages = (num_tokens - 1).clamp(min=0) // settings.page_size
-        offloaded.refresh(entry_scores, per_row(full_pages, len(storage.stable_heads)), storage.meta.kmin.shape[2],
-                          settings.max_promotions)
-
     def run(self, keys: torch.Tensor, values: torch.Tensor, rows_query: torch.Tensor, plan: AppendPlan,
             scale: float) -> torch.Tensor:
         """Append the step's token (``keys``/``values`` ``[B, H, D]``) and attend: ``[B * H, G, D]`` for
@@ -158,8 +144,14 @@ class TorchDecode:
             slots[:, storage.unstable_index, :width] = resident_slots.view(batch_size, -1, width)
             page_lens[:, storage.unstable_index, :width] = resident_lens.view(batch_size, -1, width)
         if storage.offloaded is not None:
+            scores = None
+            if storage.offloaded.standby_pages:  # this step's scores of the working sets' pages
+                stable_query = storage.bound_rows(grouped[:, storage.stable_index].flatten(0, 1), storage.stable_index)
+                kmin, kmax = storage.meta.listed_rows(storage.stable_index, storage.offloaded.selected)
+                scores = quest_page_scores(stable_query, kmin, kmax, self.settings.group_reduce,
+                                           self.settings.spread_weight)
             stable_slots, stable_lens = storage.offloaded.decode_pages(
-                per_row(last_page_len, len(storage.stable_heads)))
+                per_row(last_page_len, len(storage.stable_heads)), scores)
             slots[:, storage.stable_index] = stable_slots.view(batch_size, -1, k)
             page_lens[:, storage.stable_index] = stable_lens.view(batch_size, -1, k)
         return slots.flatten(0, 1), page_lens.flatten(0, 1)
@@ -205,21 +197,6 @@ class FusedDecode(TorchDecode):
         return stable_page_scores(query, storage.meta.kmin, storage.meta.kmax, num_tokens, storage.stable_index,
                                   width, settings.page_size, settings.group_reduce, settings.spread_weight)
 
-    def refresh_stable(self, query: torch.Tensor, num_tokens: torch.Tensor) -> None:
-        """One kernel scoring and refreshing every stable row (the torch path gathers the listed pages' boxes), for
-        rows the fused refresh holds."""
-        from flexicache.backends.triton_rerank import fits_fused_refresh
-
-        storage, settings = self.storage, self.settings
-        offloaded = storage.offloaded
-        if not (offloaded.zero_copy and fits_fused_refresh(offloaded.k - 1, settings.standby_pages)):
-            return super().refresh_stable(query, num_tokens)
-        batch_size, num_query_heads, head_dim = query.shape
-        rows_query = query.reshape(batch_size * storage.num_kv_heads, num_query_heads // storage.num_kv_heads, head_dim)
-        offloaded.refresh_fused(storage.bound_rows(rows_query).contiguous(), storage.meta.kmin, storage.meta.kmax,
-                                storage.stable_index, settings.group_reduce, settings.spread_weight,
-                                settings.max_promotions)
-
     def fits(self) -> bool:
         """Whether the Triton kernels can build this step's table (rows short enough for their registers)."""
         from flexicache.backends.triton_select import fits_fused_table
@@ -248,7 +225,8 @@ class FusedDecode(TorchDecode):
         resident, offloaded = storage.resident, storage.offloaded
         return TableInputs(
             rows_query, storage.meta.kmin, storage.meta.kmax, resident.table if resident else None,
-            offloaded.selected if offloaded else None, num_tokens, storage.unstable_index, storage.stable_index,
+            offloaded.selected if offloaded else None, offloaded.selected_scores if offloaded else None, num_tokens,
+            storage.unstable_index, storage.stable_index,
             offloaded.base if offloaded else 0, settings.pages_per_head, settings.page_size, settings.group_reduce,
             settings.spread_weight,
         )
@@ -361,8 +339,7 @@ class GraphedDecode(FusedDecode):
         offloaded = self.storage.offloaded
         if offloaded is not None:  # what the rerank reads and writes besides the launch's storage
             storage_key += tuple((t.data_ptr(), t.shape) for t in (
-                offloaded.host.k, offloaded.host.v, offloaded.selected, offloaded.selected_scores,
-                offloaded.standby) if t is not None)
+                offloaded.host.k, offloaded.host.v, offloaded.selected, offloaded.selected_scores))
         return launch, storage_key
 
     def prepare_recording(self, plan: AppendPlan, rerank: bool) -> tuple[bool, tuple]:
@@ -391,8 +368,6 @@ class GraphedDecode(FusedDecode):
                        storage.open_start)
         if self.recorded_rerank:  # scores the metadata's whole capacity: a width that does not change per step
             self.rerank_stable(query, step.num_tokens, storage.meta.kmin.shape[2])
-        if self.settings.standby_pages and storage.offloaded is not None:
-            self.refresh_stable(query, step.num_tokens)
         # The recorded step's own tensors are static inside its graph: no copy into the graph's buffers.
         self.recorded_launch(keys, values, rows_query.contiguous())
         return self.graph.output

@@ -215,8 +215,6 @@ class FlexiLayer(CacheLayerMixin):
         rerank_width = self._count_decode_step(plan)
         if rerank_width:  # reads full pages only, so it may run before the token is written
             self.path.rerank_stable(query[:, :, 0], plan.after, rerank_width)
-        if self.settings.standby_pages and self.storage.offloaded is not None:
-            self.path.refresh_stable(query[:, :, 0], plan.after)
         output = self.path.run(keys, values, rows_query, plan, scale)
         self.num_chunks += 1
         return output.view(batch_size, num_query_heads, head_dim).unsqueeze(1)

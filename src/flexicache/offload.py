@@ -1,12 +1,13 @@
-"""Stable heads: the full KV in a host tier, only the selected pages plus the tail page on the device.
+"""Stable heads: the full KV in a host tier, only a working set of pages plus the tail page on the device.
 
-Per row (request, stable head) the device holds ``K`` slots: ``K - 1`` for selected full pages (the sink among
-them) and the last one for the tail page (the page being written, 1..ps tokens). Full pages live in the host
-tier. A rerank scores every full page from the device-resident min/max metadata and copies only the newly
-promoted pages to the device; a tail page that fills is copied to the host and takes over a selected slot
-until the next rerank decides. With standby pages, every decode step also *refreshes* each row: it rescores its
-selected pages and its standby pages (the best pages outside the selection at its last rerank) and swaps in those
-that now score higher, so the selection follows the queries between reranks without scoring every page.
+Per row (request, stable head) the device holds ``K + C`` slots: ``K - 1 + C`` for a *working set* of full pages (the
+sink among them) and the last one for the tail page (the page being written, 1..ps tokens); ``K`` is the pages a head
+attends to, ``C`` its standby pages (``standby_pages``, 0 by default). Full pages live in the host tier. A rerank
+scores every full page from the device-resident min/max metadata, takes the top ``K - 1 + C`` as the working set and
+copies only the newly promoted pages to the device; a tail page that fills is copied to the host and takes over a
+working-set slot until the next rerank decides. At every decode step a head attends to its working set's ``K - 1``
+best pages for that step's query (all of them without standby pages) and its tail page: between two reranks the
+selection follows the queries among the pages already on the device, and no step copies anything.
 
 A host tier narrower than the KV (``host_dtype="float8_e4m3fn"``) stores each key less its row's centre (the
 per-channel median of the request's first-chunk keys for that head, in fp32, fp64 for fp64 KV): a head's
@@ -28,7 +29,7 @@ from flexicache import host_tier
 from flexicache.backends import triton_available
 from flexicache.host_tier import HostTier
 from flexicache.paging import PagePool
-from flexicache.selection import standby_after, update_selection
+from flexicache.selection import attended_slots, update_selection
 from flexicache.sequence import AppendPlan, host_to_device, per_row
 
 
@@ -54,12 +55,11 @@ class TransferCounters:
 class OffloadedPages:
     """Device slots, selection state and host tier of the stable heads of one layer.
 
-    The rows' ``B * h * K`` device slots are one range of the layer's :class:`PagePool` starting at ``base``:
-    the slot of (row ``r``, position ``j``) is ``base + r * K + j``;
-    ``selected``: ``[B * h, K - 1]`` page held by each selection slot (``-1`` = empty);
-    ``selected_scores``: ``[B * h, K - 1]`` score of that page at the last rerank (``+inf`` = keep);
-    ``standby``: ``[B * h, C]`` with ``standby_pages = C``: the best full pages outside the selection at the last
-    rerank, ascending, ``-1`` padded (``None`` without standby pages);
+    The rows' ``B * h * (K + C)`` device slots are one range of the layer's :class:`PagePool` starting at ``base``:
+    the slot of (row ``r``, position ``j``) is ``base + r * (K + C) + j``, the tail's ``j = K + C - 1``;
+    ``selected``: ``[B * h, K - 1 + C]`` page held by each working-set slot (``-1`` = empty);
+    ``selected_scores``: ``[B * h, K - 1 + C]`` score of that page at the last rerank or, with standby pages, at the
+    last decode step (``+inf`` = keep: the sink, a retired tail until it is scored);
     ``key_centre``: ``[B * h, D]`` what the host tier's keys are stored less (a narrower tier only, else ``None``).
     """
 
@@ -67,14 +67,14 @@ class OffloadedPages:
                  host_pages: int = 0, host_dtype: torch.dtype | None = None, standby_pages: int = 0) -> None:
         self.pool = pool
         self.num_heads = num_heads
-        self.k = pages_per_head
+        self.pages_per_head = pages_per_head  # K: pages attended per row, the tail included
+        self.slots_per_row = pages_per_head + standby_pages  # K + C: device slots per row, the tail included
         self.page_size = page_size
         rows = batch_size * num_heads
-        self.base = pool.allocate(rows * pages_per_head)
+        self.base = pool.allocate(rows * self.slots_per_row)
         device, dtype, head_dim = pool.k.device, pool.k.dtype, pool.k.shape[-1]
-        self.selected = torch.full((rows, pages_per_head - 1), -1, dtype=torch.long, device=device)
-        self.selected_scores = torch.full((rows, pages_per_head - 1), float("-inf"), device=device)
-        self.standby = torch.full((rows, standby_pages), -1, dtype=torch.long, device=device) if standby_pages else None
+        self.selected = torch.full((rows, self.slots_per_row - 1), -1, dtype=torch.long, device=device)
+        self.selected_scores = torch.full((rows, self.slots_per_row - 1), float("-inf"), device=device)
         self.all_requests = torch.arange(batch_size, device=device)
         self.host = HostTier(batch_size, num_heads, page_size, head_dim, host_dtype or dtype,
                              pin_memory=host_tier.pins_host_tier(device), capacity=host_pages)
@@ -95,7 +95,12 @@ class OffloadedPages:
     @property
     def nbytes_reserved(self) -> int:
         """Bytes of this class's device slots."""
-        return self._page_bytes(self.num_rows * self.k)
+        return self._page_bytes(self.num_rows * self.slots_per_row)
+
+    @property
+    def standby_pages(self) -> int:
+        """C: working-set slots per row beyond the ``K - 1`` a row attends to."""
+        return self.slots_per_row - self.pages_per_head
 
     def _rows_of(self, batch: torch.Tensor) -> torch.Tensor:
         """``[n * h]`` rows (``b * h + head``) of requests ``batch [n]``."""
@@ -107,7 +112,7 @@ class OffloadedPages:
 
     def _tail_slots(self, batch: torch.Tensor) -> torch.Tensor:
         """``[n * h]`` tail slots of the rows of requests ``batch [n]``."""
-        return self.base + self._rows_of(batch) * self.k + self.k - 1
+        return self.base + self._rows_of(batch) * self.slots_per_row + self.slots_per_row - 1
 
     def _page_bytes(self, num_pages: int) -> int:
         """Bytes of ``num_pages`` device pages (keys and values)."""
@@ -148,7 +153,7 @@ class OffloadedPages:
         lowest = keep.min(dim=1, keepdim=True).values
         victim = (keep == lowest).int().argmax(dim=1)  # the first slot holding the minimum
         evictable = lowest.squeeze(1) < float("inf")
-        target = torch.where(evictable, self.base + rows * self.k + victim, tail_slots)
+        target = torch.where(evictable, self.base + rows * self.slots_per_row + victim, tail_slots)
         self.pool.k[target] = self.pool.k[tail_slots]
         self.pool.v[target] = self.pool.v[tail_slots]
         held = self.selected[rows, victim]
@@ -279,8 +284,6 @@ class OffloadedPages:
         gone = self.selected >= full_pages.unsqueeze(1)
         self.selected.masked_fill_(gone, -1)  # in place: captured decode graphs read this storage
         self.selected_scores.masked_fill_(gone, float("-inf"))
-        if self.standby is not None:
-            self.standby.masked_fill_(self.standby >= full_pages.unsqueeze(1), -1)
         new_pages = (after + page_size - 1) // page_size
         moved = ((new_pages < (before + page_size - 1) // page_size) & (after > 0)).nonzero().view(-1)
         if moved.numel():
@@ -295,17 +298,15 @@ class OffloadedPages:
         return self.pool.k[self._tail_slots(batch)].view(batch.numel(), self.num_heads, self.page_size, -1)
 
     def take_rows(self, source: OffloadedPages, index: torch.Tensor) -> None:
-        """Hold the rows of requests ``index [B']`` (CPU) of ``source`` (another pool's): device slots, selections
-        and standby pages, host tier (copied request by request, no dense copy), counters and rerank phase."""
+        """Hold the rows of requests ``index [B']`` (CPU) of ``source`` (another pool's): device slots, selections,
+        host tier (copied request by request, no dense copy), counters and rerank phase."""
         device = self.pool.k.device
         rows = source._rows_of(index.to(device))  # [B' * h] source row of each new row, in order
         self.selected.copy_(source.selected[rows])
         self.selected_scores.copy_(source.selected_scores[rows])
-        if self.standby is not None:
-            self.standby.copy_(source.standby[rows])
-        positions = torch.arange(self.k, device=device)
-        target = self.base + torch.arange(rows.numel(), device=device).view(-1, 1) * self.k + positions
-        held = source.base + rows.view(-1, 1) * self.k + positions  # [B' * h, K] each
+        positions = torch.arange(self.slots_per_row, device=device)
+        target = self.base + torch.arange(rows.numel(), device=device).view(-1, 1) * self.slots_per_row + positions
+        held = source.base + rows.view(-1, 1) * self.slots_per_row + positions  # [B' * h, K + C] each
         self.pool.k[target] = source.pool.k[held]
         self.pool.v[target] = source.pool.v[held]
         if source.zero_copy:  # zero-copy kernels may still write the source tier
@@ -337,66 +338,24 @@ class OffloadedPages:
         if self.zero_copy:
             from flexicache.backends.triton_rerank import fits_fused_rerank, rerank_rows
 
-            if fits_fused_rerank(scores, self.k - 1):  # the same result as below, in two launches
+            if fits_fused_rerank(scores, self.slots_per_row - 1):  # the same result as below, in two launches
                 promoted = rerank_rows(scores.contiguous(), num_full_pages, self.selected, self.selected_scores,
                                        self.host.pages(), self._device_pages(), self.base, self.host.k.shape[2],
-                                       self.key_centre, max_promotions, self.standby)
+                                       self.key_centre, max_promotions)
                 self._count_promotions(promoted)
                 return
         new_pages, promoted, target_cols, selected = update_selection(scores, num_full_pages, self.selected,
                                                                       max_promotions)
-        slots_per_row = self.k - 1
+        working_slots = self.slots_per_row - 1
         rows = torch.arange(promoted.shape[0], device=promoted.device).unsqueeze(1)
         self._to_device((rows * self.host.k.shape[2] + new_pages.clamp(min=0)).view(-1),
-                        (self.base + rows * self.k + target_cols.clamp(max=slots_per_row - 1)).view(-1),
+                        (self.base + rows * self.slots_per_row + target_cols.clamp(max=working_slots - 1)).view(-1),
                         promoted.view(-1))
         self._count_promotions(promoted.sum())
         self.selected.copy_(selected)  # in place: captured decode graphs read this storage
         page_scores = scores.gather(1, selected.clamp(min=0)).to(self.selected_scores.dtype)
         page_scores = page_scores.masked_fill(selected == 0, float("inf"))
         self.selected_scores.copy_(page_scores.masked_fill(selected < 0, float("-inf")))
-        if self.standby is not None:
-            self.standby.copy_(standby_after(scores, num_full_pages, selected, self.standby.shape[1]))
-
-    def listed_pages(self) -> torch.Tensor:
-        """``[B * h, S + C]`` the pages a refresh reads: each row's selection slots, then its standby pages (``-1``:
-        none)."""
-        return torch.cat([self.selected, self.standby], dim=1)
-
-    def refresh(self, entry_scores: torch.Tensor, num_full_pages: torch.Tensor, width: int,
-                max_promotions: int | None = None) -> None:
-        """Rerank every row among the pages it holds or keeps on standby only (:meth:`listed_pages`, scored
-        ``entry_scores [B * h, S + C]``): the best of them fill the selection, the others are the new standby.
-
-        Args:
-            num_full_pages: ``[B * h]`` full pages of each row; width: at least the longest row's full pages.
-            max_promotions: as for :meth:`rerank`.
-        """
-        listed = self.listed_pages()
-        scores = entry_scores.new_full((listed.shape[0], width + 1), float("-inf"))
-        scores.scatter_(1, listed.masked_fill(listed < 0, width), entry_scores)  # -1 entries land in the last column
-        self.rerank(scores[:, :width], num_full_pages, max_promotions)
-
-    def refresh_fused(self, query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, heads: torch.Tensor,
-                      group_reduce: str, spread_weight: float, max_promotions: int | None = None) -> torch.Tensor:
-        """:meth:`refresh` scoring the listed pages itself, in one Triton program per row plus the promotion copy
-        (:func:`~flexicache.backends.triton_rerank.refresh_rows`; zero-copy path only). Device work only.
-
-        Args:
-            query: ``[B * H, G, D]`` every row's queries in the axes of the page boxes; kmin, kmax: the layer's page
-                min/max ``[B, H, P, D]``; heads: ``[h]`` the KV heads of this class's rows.
-
-        Returns:
-            ``[B * h, K - 1 + C]`` the scores of the listed pages it read (selected, then standby).
-        """
-        from flexicache.backends.triton_rerank import refresh_rows
-
-        promoted, entry_scores = refresh_rows(
-            query, kmin, kmax, heads, self.selected, self.selected_scores, self.standby, self.host.pages(),
-            self._device_pages(), self.base, self.host.k.shape[2], group_reduce, spread_weight, self.key_centre,
-            max_promotions)
-        self._count_promotions(promoted)
-        return entry_scores
 
     def _count_promotions(self, count: torch.Tensor) -> None:
         """Add ``count`` (a device tensor: no sync) promoted pages to the counters (in place on the zero-copy path:
@@ -418,18 +377,31 @@ class OffloadedPages:
 
     # ----------------------------------------------------------------------------------------------- decode
 
-    def decode_pages(self, last_page_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(slots, page_lens)``, both ``[B * h, K]``: the selection slots, then the tail slot (last).
+    def decode_pages(self, last_page_len: torch.Tensor, scores: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slots, page_lens)``, both ``[B * h, K]``: the working-set slots a row attends to, then its tail slot
+        (the last listed). Device work only.
 
         Args:
             last_page_len: ``[B * h]`` tokens in each row's tail page.
+            scores: ``[B * h, K - 1 + C]`` this step's score of each working-set slot's page, with standby pages
+                (:func:`~flexicache.selection.attended_slots` picks the ``K - 1`` attended ones, and the scores
+                replace ``selected_scores``); ``None`` without: every held slot is attended.
         """
-        rows = self.num_rows
-        slots = self.base + torch.arange(rows * self.k, device=self.pool.k.device).view(rows, self.k)
-        page_lens = torch.cat(
-            [(self.selected >= 0).long() * self.page_size, last_page_len.view(-1, 1).long()], dim=1
-        )
-        return slots, page_lens
+        rows, device = self.num_rows, self.pool.k.device
+        columns = torch.arange(self.slots_per_row, device=device)
+        slots = self.base + torch.arange(rows, device=device).view(-1, 1) * self.slots_per_row + columns
+        held = self.selected >= 0
+        if scores is None:
+            return slots, torch.cat([held.long() * self.page_size, last_page_len.view(-1, 1).long()], dim=1)
+        self.selected_scores.copy_(scores.masked_fill(self.selected == 0, float("inf")).masked_fill(
+            ~held, float("-inf")))
+        attended = attended_slots(scores, self.selected, self.pages_per_head - 1)
+        # The attended slots first (in slot order), then the tail, then unused entries (length 0).
+        listed = torch.cat([attended, torch.ones_like(attended[:, :1])], dim=1)
+        order = (~listed).long().argsort(dim=1, stable=True)[:, :self.pages_per_head]
+        lengths = torch.cat([torch.full_like(slots[:, :-1], self.page_size), last_page_len.view(-1, 1).long()], 1)
+        return slots.gather(1, order), (lengths * listed).gather(1, order)
 
     def read_tokens(self, num_pages: int, num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, h, num_pages * ps, D]`` keys/values in token order on the device (host pages + tail slots).

@@ -137,8 +137,8 @@ def update_selection(scores: torch.Tensor, num_full_pages: torch.Tensor, selecte
     new_pages, _ = select_pages(scores, num_full_pages, slots_per_row, force_last=False)
     if new_pages.shape[1] < slots_per_row:
         new_pages = torch.nn.functional.pad(new_pages, (0, slots_per_row - new_pages.shape[1]), value=-1)
-    in_new = membership(new_pages, width)
-    in_old = membership(selected, width)
+    in_new = _membership(new_pages, width)
+    in_old = _membership(selected, width)
     keep = (selected >= 0) & in_new.gather(1, selected.clamp(min=0).clamp(max=width))
     promoted = (new_pages >= 0) & ~in_old.gather(1, new_pages.clamp(min=0))  # over the new pages' entries
     # Pair the r-th promoted page of a row with its r-th free slot (column ``slots_per_row`` takes the rest).
@@ -163,7 +163,7 @@ def limit_promotions(scores: torch.Tensor, num_full_pages: torch.Tensor, selecte
     width = scores.shape[1]
     columns = torch.arange(width, device=scores.device)
     candidate = columns < num_full_pages.to(scores.device).view(-1, 1)
-    held = membership(selected, width)[:, :width] & candidate
+    held = _membership(selected, width)[:, :width] & candidate
     newcomer_scores = scores.masked_fill(columns == 0, float("inf")).masked_fill(held | ~candidate, float("-inf"))
     order = newcomer_scores.sort(dim=1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(1, order, columns.expand_as(order))
@@ -172,22 +172,17 @@ def limit_promotions(scores: torch.Tensor, num_full_pages: torch.Tensor, selecte
     return scores.masked_fill(~(held | admitted), float("-inf"))
 
 
-def standby_after(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: torch.Tensor, count: int
-                  ) -> torch.Tensor:
-    """``[R, count]`` the standby pages of every row after a rerank: its best ``count`` full pages outside its
-    selection ``selected [R, S]`` by ``scores [R, P]`` (ties to the lower page; ``-inf`` scores never taken), in
-    ascending page order, ``-1`` padded at the end."""
-    width = scores.shape[1]
-    columns = torch.arange(width, device=scores.device)
-    outside = (columns < num_full_pages.to(scores.device).view(-1, 1)) & ~membership(selected, width)[:, :width]
-    top_scores, top_pages = scores.masked_fill(~outside, float("-inf")).sort(dim=1, descending=True, stable=True)
-    pages = top_pages[:, :count].masked_fill(top_scores[:, :count] == float("-inf"), width)
-    pages = pages.sort(dim=1).values
-    pages = pages.masked_fill(pages == width, -1)
-    return torch.nn.functional.pad(pages, (0, count - pages.shape[1]), value=-1)
+def attended_slots(scores: torch.Tensor, selected: torch.Tensor, count: int) -> torch.Tensor:
+    """``[R, W]`` bool: the ``count`` best held slots of every row's working set ``selected [R, W]`` (``-1`` =
+    empty) by ``scores [R, W]``, the sink (page 0) forced, ties to the lower slot."""
+    held = selected >= 0
+    ranked = scores.masked_fill(selected == 0, float("inf")).masked_fill(~held, float("-inf"))
+    order = ranked.sort(dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    return held & (rank < count)
 
 
-def membership(pages: torch.Tensor, width: int) -> torch.Tensor:
+def _membership(pages: torch.Tensor, width: int) -> torch.Tensor:
     """``[R, width + 1]`` bool: page ``p`` is listed in the row (column ``width`` collects the -1 padding)."""
     member = torch.zeros(pages.shape[0], width + 1, dtype=torch.bool, device=pages.device)
     return member.scatter_(1, pages.masked_fill(pages < 0, width), True)

@@ -43,8 +43,9 @@ class LayerStorage:
         self.unstable_heads = list(unstable_heads)
         self.stable_heads = [head for head in range(num_kv_heads) if head not in set(unstable_heads)]
         page_size, pages_per_head = settings.page_size, settings.pages_per_head
+        stable_slots = pages_per_head + settings.standby_pages  # a stable row's working set and tail page
         self.pool = PagePool(page_size, head_dim, dtype, device, capacity=batch_size * (
-            len(self.unstable_heads) * reserved_pages + len(self.stable_heads) * pages_per_head))
+            len(self.unstable_heads) * reserved_pages + len(self.stable_heads) * stable_slots))
         self.unstable_index = torch.tensor(self.unstable_heads, dtype=torch.long, device=device)
         self.stable_index = torch.tensor(self.stable_heads, dtype=torch.long, device=device)
         self.meta = PageMetadata(batch_size, num_kv_heads, head_dim, dtype, device, capacity=reserved_pages)

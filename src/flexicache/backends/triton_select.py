@@ -116,6 +116,22 @@ def _box_scores(query_ptr, query_row, kmin_ptr, kmax_ptr, offsets, valid, weight
     return score
 
 
+@triton.jit
+def _listed_scores(query_ptr, kmin_ptr, kmax_ptr, pages_ptr, out_ptr, query_row, meta_row, count, weight_high,
+                   weight_low, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                   REDUCE_SUM: tl.constexpr, SPREAD_WEIGHTED: tl.constexpr):
+    """Store at ``out_ptr`` the box scores of the ``count`` pages listed at ``pages_ptr`` (``-1``: none; metadata row
+    from page ``meta_row``, int64) for the queries of ``query_row`` (int64), ``CHUNK`` pages at a time."""
+    dims = tl.arange(0, HEAD_DIM)
+    for start in tl.static_range(0, BLOCK, CHUNK):
+        entry = start + tl.arange(0, CHUNK)
+        page = tl.load(pages_ptr + entry, mask=entry < count, other=-1)
+        offsets = (meta_row + tl.maximum(page, 0)[:, None].to(tl.int64)) * HEAD_DIM + dims[None, :]
+        score = _box_scores(query_ptr, query_row, kmin_ptr, kmax_ptr, offsets, page >= 0, weight_high, weight_low,
+                            GROUP, HEAD_DIM, CHUNK, REDUCE_SUM, SPREAD_WEIGHTED)
+        tl.store(out_ptr + entry, score, mask=entry < count)
+
+
 @triton.jit(do_not_specialize=["num_listed", "num_heads", "meta_capacity", "scores_stride", "weight_high",
                                 "weight_low"])
 def _score_pages_kernel(query_ptr, kmin_ptr, kmax_ptr, num_tokens_ptr, heads_ptr, scores_ptr,
@@ -168,13 +184,15 @@ def _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, positions
 
 
 @triton.jit(do_not_specialize=["num_unstable_rows", "num_unstable", "num_stable", "num_heads", "table_capacity",
-                               "stable_base", "scores_stride"])
+                               "stable_base", "scores_stride", "meta_capacity", "weight_high", "weight_low"])
 def _decode_table_kernel(
-    scores_ptr, table_ptr, selected_ptr, num_tokens_ptr, unstable_heads_ptr, stable_heads_ptr,
-    out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr,
-    num_unstable_rows, num_unstable, num_stable, num_heads, table_capacity, stable_base, scores_stride,
-    K: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-    WRITE_TABLE: tl.constexpr, WRITE_FLAT: tl.constexpr,
+    scores_ptr, table_ptr, selected_ptr, selected_scores_ptr, working_scores_ptr, query_ptr, kmin_ptr, kmax_ptr,
+    num_tokens_ptr, unstable_heads_ptr, stable_heads_ptr, out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr,
+    num_unstable_rows, num_unstable, num_stable, num_heads, table_capacity, stable_base, scores_stride, meta_capacity,
+    weight_high, weight_low,
+    K: tl.constexpr, SLOTS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_S: tl.constexpr, CHUNK_W: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    REDUCE_SUM: tl.constexpr, SPREAD_WEIGHTED: tl.constexpr, WRITE_TABLE: tl.constexpr, WRITE_FLAT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     index, batch, row = _row_of(pid, num_unstable_rows, num_unstable, num_stable, num_heads, unstable_heads_ptr,
@@ -210,17 +228,31 @@ def _decode_table_kernel(
             _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, position, chosen_slot, chosen_length,
                        chosen, K, WRITE_TABLE, WRITE_FLAT)
     else:
-        selected = tl.load(selected_ptr + index.to(tl.int64) * (K - 1) + k_offsets, mask=k_offsets < K - 1,
-                           other=-1)
-        held = selected >= 0
-        count = tl.sum(held.to(tl.int32))
-        first_slot = stable_base + index.to(tl.int64) * K
-        positions = tl.cumsum(held.to(tl.int32), axis=0) - 1
-        _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, positions, first_slot + k_offsets,
-                   tl.full([BLOCK_K], PAGE_SIZE, tl.int32), held, K, WRITE_TABLE, WRITE_FLAT)
-        tail = k_offsets == 0
-        _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, count + k_offsets,
-                   first_slot + K - 1 + k_offsets, last_len + k_offsets, tail, K, WRITE_TABLE, WRITE_FLAT)
+        # A stable row lists the working-set slots it attends to (all of them, or with standby pages the K - 1 best
+        # for this step's query: OffloadedPages.decode_pages), then its tail slot.
+        w = tl.arange(0, BLOCK_W)
+        selected_row = selected_ptr + index.to(tl.int64) * SLOTS
+        page = tl.load(selected_row + w, mask=w < SLOTS, other=-1)
+        attended = page >= 0
+        if SLOTS > K - 1:
+            working_scores = working_scores_ptr + index.to(tl.int64) * SLOTS
+            _listed_scores(query_ptr, kmin_ptr, kmax_ptr, selected_row, working_scores, row.to(tl.int64),
+                           row.to(tl.int64) * meta_capacity, SLOTS, weight_high, weight_low, GROUP, HEAD_DIM, BLOCK_W,
+                           CHUNK_W, REDUCE_SUM, SPREAD_WEIGHTED)
+            tl.debug_barrier()
+            score = tl.load(working_scores + w, mask=attended, other=0.0)
+            score = tl.where(page == 0, float("inf"), tl.where(attended, score, float("-inf")))
+            tl.store(selected_scores_ptr + index.to(tl.int64) * SLOTS + w, score, mask=w < SLOTS)
+            if tl.sum(attended.to(tl.int32), axis=0) > K - 1:  # ties go to the lower slots
+                attended = _top_keys(_order_key(score).to(tl.int64), attended, K - 1)
+        count = tl.sum(attended.to(tl.int32))
+        first_slot = stable_base + index.to(tl.int64) * (SLOTS + 1)
+        positions = tl.cumsum(attended.to(tl.int32), axis=0) - 1
+        _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, positions, first_slot + w,
+                   tl.full([BLOCK_W], PAGE_SIZE, tl.int32), attended, K, WRITE_TABLE, WRITE_FLAT)
+        tail = w == 0
+        _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, count + w, first_slot + SLOTS + w,
+                   last_len + w, tail, K, WRITE_TABLE, WRITE_FLAT)
 
 
 @dataclass
@@ -229,7 +261,8 @@ class TableInputs:
 
     ``query``: ``[B * H, G, D]`` rows of queries (row ``b * H + h``); ``kmin``/``kmax``: ``[B, H, P, D]`` page
     min/max; ``table``: ``[B, hu, P']`` pool slot of every page of the unstable heads (``None`` if none);
-    ``selected``: ``[B * hs, K - 1]`` pages held by the stable heads' selection slots (``None`` if none);
+    ``selected``/``selected_scores``: ``[B * hs, K - 1 + C]`` the stable heads' working sets and their scores
+    (``None`` if none; with standby pages, ``C > 0``, the scores are this step's after the table is made);
     ``num_tokens``: ``[B]`` real tokens per request (after this step's token); ``unstable_heads`` /
     ``stable_heads``: head indices of the two classes; ``stable_base``: first pool slot of the stable rows.
     """
@@ -239,6 +272,7 @@ class TableInputs:
     kmax: torch.Tensor
     table: torch.Tensor | None
     selected: torch.Tensor | None
+    selected_scores: torch.Tensor | None
     num_tokens: torch.Tensor
     unstable_heads: torch.Tensor
     stable_heads: torch.Tensor
@@ -321,21 +355,30 @@ def list_pages(inputs: TableInputs, scores: torch.Tensor, flat: torch.Tensor | N
                indptr: torch.Tensor | None = None, table_out: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> None:
     """Select each row's pages from ``scores`` and write them (see :func:`decode_table`)."""
-    rows = inputs.query.shape[0]
+    rows, group, head_dim = inputs.query.shape
     batch = inputs.num_tokens.shape[0]
     num_unstable, num_stable = inputs.unstable_heads.numel(), inputs.stable_heads.numel()
     unused = inputs.num_tokens  # an int64 stand-in for absent tensors (never read or written)
     block_scores = triton.next_power_of_2(max(inputs.kmin.shape[2], 16))
     slots, lens = table_out if table_out is not None else (unused, unused)
+    working = inputs.selected.shape[1] if num_stable else inputs.pages_per_head - 1  # working-set slots per row
+    standby = working > inputs.pages_per_head - 1
+    block_working = triton.next_power_of_2(max(working, 1))
+    working_scores = (torch.empty(batch * num_stable, working, dtype=torch.float32, device=inputs.query.device)
+                      if standby else unused)  # scratch
     _decode_table_kernel[(batch * (num_unstable + num_stable),)](
         scores, inputs.table if num_unstable else unused, inputs.selected if num_stable else unused,
+        inputs.selected_scores if num_stable else unused, working_scores, inputs.query, inputs.kmin, inputs.kmax,
         inputs.num_tokens, inputs.unstable_heads if num_unstable else unused,
         inputs.stable_heads if num_stable else unused, slots, lens, flat if flat is not None else unused,
         indptr if indptr is not None else unused, batch * num_unstable, max(num_unstable, 1), max(num_stable, 1),
         rows // batch, inputs.table.shape[2] if num_unstable else 0, inputs.stable_base, scores.shape[1],
-        K=inputs.pages_per_head, PAGE_SIZE=inputs.page_size,
-        BLOCK_K=triton.next_power_of_2(inputs.pages_per_head), BLOCK_S=block_scores,
-        WRITE_TABLE=table_out is not None, WRITE_FLAT=flat is not None, num_warps=selection_warps(block_scores),
+        inputs.kmin.shape[2], *spread_weights(inputs.spread_weight),
+        K=inputs.pages_per_head, SLOTS=working, PAGE_SIZE=inputs.page_size,
+        BLOCK_K=triton.next_power_of_2(inputs.pages_per_head), BLOCK_W=block_working, BLOCK_S=block_scores,
+        CHUNK_W=min(32, block_working), GROUP=group, HEAD_DIM=head_dim, REDUCE_SUM=inputs.group_reduce == "sum",
+        SPREAD_WEIGHTED=inputs.spread_weight != 1.0, WRITE_TABLE=table_out is not None, WRITE_FLAT=flat is not None,
+        num_warps=selection_warps(block_scores),
     )
 
 
