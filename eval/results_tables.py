@@ -1,8 +1,10 @@
 """The accuracy tables of eval/RESULTS.md, from the stored results folders (each folder's metrics.json and
 config.json, as `flexicache eval` leaves them).
 
-One table per folder: a row per (task, budget) with dense, the oracle pages, FlexiCache (its defaults), Quest's
-bound (``spread_weight=1.0,principal_bounds=false``) and the variants of :data:`VARIANTS` the folder holds, each as
+One table per folder: a row per (task, budget) with dense, FlexiCache's defaults (:data:`DEFAULTS`, where the folder
+holds them), the oracle pages, FlexiCache at the folder's page size and standby pages (the folder's ``--budget`` rows:
+16-token pages without standby pages, the paper's stable heads, in every folder here), Quest's bound
+(``spread_weight=1.0,principal_bounds=false``) and the variants of :data:`VARIANTS` the folder holds, each as
 score and ratio to dense, the number of samples, and the folder's command; for generated answers also how often each
 method's output is dense's, token for token; folders under ``levers/`` and ``profiles/`` get one row per method instead (every setting they
 compare).
@@ -16,17 +18,34 @@ import argparse
 import json
 from pathlib import Path
 
+from flexicache.config import FlexiCacheConfig
+
+DEFAULTS = ("flexicache@{budget},page_size=8,standby_pages=auto", "FlexiCache (defaults)")
 QUEST_SUFFIX = ",spread_weight=1.0,principal_bounds=False"
 # rows a folder may hold beside the defaults: (method name at "{budget}", column header)
-VARIANTS = (("flexicache@{budget},profile=online", "FlexiCache, head split from the prompt"),
+VARIANTS = (DEFAULTS, ("flexicache@{budget},profile=online", "FlexiCache, head split from the prompt"),
             ("flexicache@{budget},rerank_warmup=16", "FlexiCache, `rerank_warmup=16`"))
 
 
 def compared(budget: int, variants: list[str]) -> list[str]:
-    """The methods of one budget's row after dense: the oracle pages, FlexiCache, Quest's bound and ``variants``
-    (method names at ``{budget}``)."""
+    """The methods of one budget's row after dense: the defaults (where among ``variants``), the oracle pages, the
+    folder's FlexiCache rows, Quest's bound and the other ``variants`` (method names at ``{budget}``)."""
     flexi = f"flexicache@{budget}"
-    return [f"oracle@{budget}", flexi, flexi + QUEST_SUFFIX, *(variant.format(budget=budget) for variant in variants)]
+    first = [variant for variant in variants if variant == DEFAULTS[0]]
+    rest = [variant for variant in variants if variant != DEFAULTS[0]]
+    return [*(variant.format(budget=budget) for variant in first), f"oracle@{budget}", flexi, flexi + QUEST_SUFFIX,
+            *(variant.format(budget=budget) for variant in rest)]
+
+
+def headers(folder_config: dict, variants: list[tuple[str, str]]) -> list[str]:
+    """Column headers of :func:`compared`'s methods for a folder run at ``folder_config``'s page size and standby
+    pages."""
+    page_size = folder_config.get("page_size")
+    standby = folder_config.get("standby_pages")
+    folder_rows = f"FlexiCache, {page_size}-token pages" + (", no standby" if standby == 0 else "")
+    first = [header for template, header in variants if template == DEFAULTS[0]]
+    rest = [header for template, header in variants if template != DEFAULTS[0]]
+    return [*first, f"oracle pages ({page_size} tokens)", folder_rows, "Quest's bound", *rest]
 
 
 def budgets_of(methods: list[str]) -> list[int]:
@@ -48,9 +67,9 @@ def command_of(config: dict) -> str:
     """The ``flexicache eval`` command a folder's config.json records (the options that differ from defaults)."""
     parts = ["flexicache eval", f"--suite {config['suite']}", f"--model {config['model']}"]
     for key in ("tasks", "lengths", "data", "limit", "context_length", "prefill", "max_new_tokens", "budget",
-                "method", "page_size"):
+                "method", "page_size", "standby_pages"):
         value = config.get(key)
-        if value in (None, [], False) or (key == "page_size" and value == 16):
+        if value is None or value is False or value == [] or value == getattr(FlexiCacheConfig, key, None):
             continue
         if key == "prefill" and config["suite"] != "ppl":
             continue
@@ -72,9 +91,8 @@ def table(folder: Path) -> str:
     budgets = budgets_of(metrics["methods"])
     variants = [(template, header) for template, header in VARIANTS
                 if any(template.format(budget=budget) in metrics["methods"] for budget in budgets)]
-    lines = ["| task | budget | n | dense | oracle pages | FlexiCache | Quest's bound |"
-             + "".join(f" {header} |" for _, header in variants),
-             "|---|---|---|---|---|---|---|" + "---|" * len(variants)]
+    columns = headers(config, variants)
+    lines = ["| task | budget | n | dense | " + " | ".join(columns) + " |", "|---|---|---|---|" + "---|" * len(columns)]
     templates = [template for template, _ in variants]
     for name, task in metrics["tasks"].items():
         lower = task["kind"] == "perplexity"
@@ -86,9 +104,7 @@ def table(folder: Path) -> str:
                 for name, task in metrics["tasks"].items() if task.get("fidelity") for budget in budgets]
     if fidelity:
         lines += ["", "Outputs identical to dense's (share of samples; ROUGE-L against dense's outputs):", "",
-                  "| task | budget | oracle pages | FlexiCache | Quest's bound |"
-                  + "".join(f" {header} |" for _, header in variants),
-                  "|---|---|---|---|---|" + "---|" * len(variants), *fidelity]
+                  "| task | budget | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns), *fidelity]
     return "\n".join(lines) + f"\n\n`{command_of(config)}`"
 
 

@@ -13,21 +13,24 @@ models=("${@:-smollm2 levers profiles qwen2.5-coder gemma3}")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 stdlib=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 
-# eval MODEL OUT BUDGET... [SPEC...] -- ARGS: one folder, rows dense + (oracle, FlexiCache, Quest's bound) at each
-# budget, and a row per extra method SPEC (e.g. budget=256,profile=online)
+# eval MODEL OUT BUDGET... [SPEC...] -- ARGS: one folder at 16-token pages without standby pages (the paper's page
+# size and stable heads: the oracle pages, FlexiCache and Quest's bound rows at each budget) with FlexiCache's
+# defaults beside them at each budget (8-token pages, standby pages), and a row per extra method SPEC (e.g.
+# budget=256,profile=online)
 eval_rows() {
     local model=$1 out=$2; shift 2
-    local budgets=() quest=() extra=()
+    local budgets=() quest=() defaults=() extra=()
     while [[ $1 != -- ]]; do
         if [[ $1 == *=* ]]; then extra+=("$1"); else
-            budgets+=("$1"); quest+=("budget=$1,spread_weight=1.0,principal_bounds=false"); fi
+            budgets+=("$1"); quest+=("budget=$1,spread_weight=1.0,principal_bounds=false")
+            defaults+=("budget=$1,page_size=8,standby_pages=auto"); fi
         shift
     done
     shift
-    local methods=("${quest[@]}" "${extra[@]}")
+    local methods=("${defaults[@]}" "${quest[@]}" "${extra[@]}")
     echo "+ flexicache eval --model $model --budget ${budgets[*]} --oracle --method ${methods[*]} $* --out $out"
-    python -m flexicache.cli eval --model "$model" --device cpu --no-progress --budget "${budgets[@]}" --oracle \
-        --method "${methods[@]}" "$@" --out "$out"
+    python -m flexicache.cli eval --model "$model" --device cpu --no-progress --page-size 16 --standby-pages 0 \
+        --budget "${budgets[@]}" --oracle --method "${methods[@]}" "$@" --out "$out"
 }
 
 for model in ${models[@]}; do
@@ -78,28 +81,32 @@ for model in ${models[@]}; do
             echo "+ levers: ppl"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
-                --oracle --oracle-candidates 2 --method "${levers[@]/#/budget=192,}" budget=192,spread_weight=0.0 \
+                --page-size 16 --standby-pages 0 --oracle --oracle-candidates 2 \
+                --method "${levers[@]/#/budget=192,}" budget=192,spread_weight=0.0 \
                 budget=192,spread_weight=0.25 budget=192,spread_weight=0.75 --out "$root/levers/ppl-1.5k"
             echo "+ levers: ppl with 8-token pages (the page size is the folder's: its oracle rows use it too)"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
-                --page-size 8 --oracle --oracle-candidates 2 4 --method budget=192,rerank_interval=1 \
+                --page-size 8 --standby-pages 0 --oracle --oracle-candidates 2 4 --method budget=192,rerank_interval=1 \
                 budget=192,rerank_interval=4 budget=192,rerank_interval=2 budget=192,rerank_warmup=16 \
                 budget=192,rerank_interval=2,host_dtype=float8_e4m3fn budget=192,rerank_interval=1,max_promotions=2 \
                 budget=192,rerank_interval=1,max_promotions=4 budget=192,rerank_interval=2,max_promotions=2 \
-                budget=192,rerank_interval=2,max_promotions=4 --out "$root/levers/ppl-1.5k-page8"
+                budget=192,rerank_interval=2,max_promotions=4 budget=192,standby_pages=auto budget=192,standby_pages=12 \
+                --out "$root/levers/ppl-1.5k-page8"
             echo "+ levers: the main settings on two other files (a replicate of the perplexity rows above)"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
-                --oracle --method budget=192,page_size=8 budget=192,page_size=8,rerank_interval=2 \
+                --page-size 16 --standby-pages 0 --oracle --method budget=192,page_size=8 \
+                budget=192,page_size=8,rerank_interval=2 budget=192,page_size=8,standby_pages=auto \
                 budget=192,page_size=8,rerank_interval=2,max_promotions=2 --out "$root/levers/ppl-1.5k-replicate"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
-                --page-size 8 --oracle --method budget=192,rerank_interval=1 --out "$root/levers/ppl-1.5k-replicate-page8"
+                --page-size 8 --standby-pages 0 --oracle --method budget=192,rerank_interval=1 \
+                --out "$root/levers/ppl-1.5k-replicate-page8"
             echo "+ levers: niah_single_1 4k"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite synthetic \
                 --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 --oracle \
-                --method "${levers[@]/#/budget=256,}" --out "$root/levers/niah-4k"
+                --page-size 16 --standby-pages 0 --method "${levers[@]/#/budget=256,}" --out "$root/levers/niah-4k"
             ;;
         profiles)  # SmolLM2, one budget: which heads are unstable (shipped profile, online estimate, fixed splits)
             python - <<'PY'
@@ -118,11 +125,11 @@ PY
             echo "+ profiles: ppl"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
-                --method "${splits[@]/#/budget=192,}" --out "$root/profiles/ppl-1.5k"
+                --page-size 16 --standby-pages 0 --method "${splits[@]/#/budget=192,}" --out "$root/profiles/ppl-1.5k"
             echo "+ profiles: niah_single_1 4k"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite synthetic \
                 --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 \
-                --method "${splits[@]/#/budget=256,}" --out "$root/profiles/niah-4k"
+                --page-size 16 --standby-pages 0 --method "${splits[@]/#/budget=256,}" --out "$root/profiles/niah-4k"
             ;;
         *) echo "unknown model $model (smollm2, levers, profiles, qwen2.5-coder, gemma3)" >&2; exit 2 ;;
     esac

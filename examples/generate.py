@@ -30,6 +30,7 @@ from transformers import TextStreamer
 
 from flexicache import FlexiCache, HeadProfile
 from flexicache.cli import DTYPE_HELP, DTYPES, resolve_device, resolve_dtype
+from flexicache.config import FlexiCacheConfig
 from flexicache.models import SMOLLM2, cache_keyword, load_model
 from flexicache.profiles import shipped_profile_path
 
@@ -69,8 +70,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="cut --prompt-file to this many tokens (its beginning is kept)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the tokenizer's chat template")
     parser.add_argument("--budget", type=int, default=512, help="token budget per KV head (multiple of page size)")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--rerank-interval", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=FlexiCacheConfig.page_size)
+    parser.add_argument("--rerank-interval", type=int, default=FlexiCacheConfig.rerank_interval)
+    parser.add_argument("--standby-pages", default=FlexiCacheConfig.standby_pages,
+                        type=lambda text: text if text == "auto" else int(text),
+                        help="pages a stable head keeps beyond those it attends to (a number or 'auto')")
     parser.add_argument("--backend", choices=("auto", "reference", "flashinfer"), default="auto")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--sample", action="store_true", help="sample (temperature 0.7) instead of greedy decoding")
@@ -101,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
 
     profile = resolve_profile(args.profile, args.model)
     cache = FlexiCache.from_model(model, profile=profile, token_budget=args.budget, page_size=args.page_size,
-                                  rerank_interval=args.rerank_interval, backend=args.backend,
+                                  rerank_interval=args.rerank_interval, standby_pages=args.standby_pages,
+                                  backend=args.backend,
                                   max_cache_len=input_ids.shape[1] + args.max_new_tokens)
     source = args.profile or ("shipped SmolLM2 profile" if profile else "none (unstable heads estimated from the prompt)")
     print(f"prompt {input_ids.shape[1]} tokens; FlexiCache budget {args.budget} tokens per KV head; profile: {source}")

@@ -36,8 +36,8 @@ EXPLANATIONS: dict[str, str] = {
     "dense_kv_bytes": "what a dense DynamicCache would hold for the same tokens: "
                       "2 (K,V) x layers x KV heads x tokens x head_dim x element size x batch (a sliding-window "
                       "layer: its window's tokens)",
-    "device_kv_bytes": "KV on the device: unstable heads' pages in use + stable heads' K page slots each (their "
-                       "selected pages and the tail page); compare with dense_kv_bytes",
+    "device_kv_bytes": "KV on the device: unstable heads' pages in use + stable heads' K + C page slots each (their "
+                       "working set of selected and standby pages, and the tail page); compare with dense_kv_bytes",
     "sliding_kv_bytes": "the windows of sliding-window layers (a model that mixes layer types, e.g. Gemma 3), "
                         "counted in device_kv_bytes and dense_kv_bytes alike; 0 without such layers",
     "device_metadata_bytes": "per-page key min/max of every head (two head_dim vectors per page, stable heads' host "
@@ -101,8 +101,9 @@ def checks(cache: FlexiCache, stats: dict, config, dtype: torch.dtype, batch: in
     return [
         ("dense_kv_bytes = 2 x L x H x tokens x D x elem", 2 * num_layers * num_kv_heads * tokens * head_dim * element
          * batch, stats["dense_kv_bytes"]),
-        ("device_kv_bytes = (unstable x pages + stable x K) x page bytes",
-         batch * (unstable * pages + stable * settings.pages_per_head) * page_bytes, stats["device_kv_bytes"]),
+        ("device_kv_bytes = (unstable x pages + stable x (K + C)) x page bytes",
+         batch * (unstable * pages + stable * (settings.pages_per_head + settings.standby_pages)) * page_bytes,
+         stats["device_kv_bytes"]),
         ("host_kv_bytes = stable x pages x page bytes", batch * stable * pages * page_bytes, stats["host_kv_bytes"]),
         ("reranks_unstable = decode steps x unstable heads", batch * steps * unstable, stats["reranks_unstable"]),
     ]

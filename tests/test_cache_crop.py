@@ -94,7 +94,7 @@ def assert_same_state(ours: FlexiCache, theirs: FlexiCache, compare_selection: s
     """Counts, validity, every token, page min/max (empty beyond the pages in use), the host tiers' full pages and
     the stable tail slots agree; our selections hold only full pages, once each, and equal theirs if asked:
     ``"pages"`` (the same pages, in any slots) or ``"slots"`` (slot by slot, with their scores)."""
-    page_size, k = ours.settings.page_size, ours.settings.pages_per_head
+    page_size = ours.settings.page_size
     assert ours.get_seq_length() == theirs.get_seq_length()
     assert torch.equal(ours.sequence.num_tokens_host, theirs.sequence.num_tokens_host)
     assert torch.equal(ours.sequence.logical_valid(), theirs.sequence.logical_valid())
@@ -117,7 +117,7 @@ def assert_same_state(ours: FlexiCache, theirs: FlexiCache, compare_selection: s
             assert torch.equal(off_a.host.v[request, :, :full], off_b.host.v[request, :, :full])
             for local in range(heads):
                 row = request * heads + local
-                tail_a, tail_b = (off.base + row * k + k - 1 for off in (off_a, off_b))
+                tail_a, tail_b = (off.base + (row + 1) * off.slots_per_row - 1 for off in (off_a, off_b))
                 length = tokens - (pages - 1) * page_size if tokens else 0
                 assert torch.equal(off_a.pool.k[tail_a, :length], off_b.pool.k[tail_b, :length])
                 assert torch.equal(off_a.pool.v[tail_a, :length], off_b.pool.v[tail_b, :length])
@@ -318,5 +318,5 @@ def test_assisted_generation_gives_dynamic_cache_tokens_at_a_covering_budget(mon
     reached = -(-(cache.get_seq_length() + 6) // 4)
     for layer in cache.layers:
         storage = layer.storage
-        stable_slots = len(layer.stable_heads) * cache.settings.pages_per_head
+        stable_slots = len(layer.stable_heads) * storage.offloaded.slots_per_row if storage.offloaded else 0
         assert storage.pool.used <= stable_slots + len(layer.unstable_heads) * reached, layer.layer_idx

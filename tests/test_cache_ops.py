@@ -240,10 +240,11 @@ def cache_buffers(cache: FlexiCache) -> list[tuple[int, tuple[int, ...]]]:
 
 def assert_reserved(cache: FlexiCache, batch: int, pages: int) -> None:
     """Every layer holds exactly ``pages`` pages per row in its min/max, page table and host tier, and pool slots
-    for every page of its unstable heads plus the stable heads' K."""
+    for every page of its unstable heads plus the stable heads' K + C."""
     for layer in cache.layers:
         unstable, stable, storage = len(layer.unstable_heads), len(layer.stable_heads), layer.storage
-        assert storage.pool.k.shape[0] == batch * (unstable * pages + stable * cache.settings.pages_per_head)
+        stable_slots = cache.settings.pages_per_head + cache.settings.standby_pages
+        assert storage.pool.k.shape[0] == batch * (unstable * pages + stable * stable_slots)
         assert storage.meta.kmin.shape[2] == pages
         assert storage.resident is None or storage.resident.table.shape[2] == pages
         assert storage.offloaded is None or storage.offloaded.host.k.shape[2] == pages

@@ -1,5 +1,5 @@
-"""Stable heads: a page outside the top-K that becomes important is promoted at the next rerank, not before, and
-only newly promoted pages are copied host -> device."""
+"""Stable heads without standby pages (the paper's): a page outside the top-K that becomes important is promoted at
+the next rerank, not before, and only newly promoted pages are copied host -> device."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def crafted_prompt() -> torch.Tensor:
 def test_page_promoted_at_next_rerank_and_not_before():
     config = tiny_config(group=1, num_kv_heads=1, num_layers=1, head_dim=D)
     cache = checked(FlexiCache(config, profile=HeadProfile(1, 1, D, []), token_budget=4 * PS, page_size=PS,
-                               rerank_interval=4))  # K = 4: sink + 2 selected + tail
+                               rerank_interval=4, standby_pages=0))  # K = 4: sink + 2 selected + tail
     layer = cache.layers[0]
     driver = Driver(config, cache)
     keys = crafted_prompt()

@@ -598,14 +598,14 @@ def test_flexicache_with_full_budget_equals_dense(tiny_tokenizer, tmp_path):
 def test_cli_flexicache_sparse_budget(model_dir, tmp_path):
     assert eval_main(eval_args(model_dir, tmp_path, "--suite", "ppl", "--data",
                                str(perplexity.stdlib_file("argparse.py")), "--context-length", "400",
-                               "--prefill", "100", "--budget", "64", "4096", "--method", "budget=64,page_size=8")) == 0
+                               "--prefill", "100", "--budget", "64", "4096", "--method", "budget=64,page_size=16")) == 0
     result = json.loads((tmp_path / "metrics.json").read_text())["tasks"]["ppl"]
     assert result["ratio"]["flexicache@4096"] == pytest.approx(1.0, abs=1e-6)
     sparse = result["stats"]["flexicache@64"]  # the cache's own counters, averaged over samples
     assert sparse["dense_kv_bytes"] > 0 and sparse["decode_steps"] > 0 and result["stats"]["dense"] == {}
     assert result["ratio"]["flexicache@64"] != 1.0  # 4 of 25 pages: a different model, a different perplexity
-    assert json.loads((tmp_path / "methods.json").read_text())["flexicache@64,page_size=8"]["page_size"] == 8
-    assert result["ratio"]["flexicache@64,page_size=8"] != result["ratio"]["flexicache@64"]
+    assert json.loads((tmp_path / "methods.json").read_text())["flexicache@64,page_size=16"]["page_size"] == 16
+    assert result["ratio"]["flexicache@64,page_size=16"] != result["ratio"]["flexicache@64"]
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float32"  # auto on the CPU
     with pytest.raises(SystemExit, match="share a name"):
         eval_main(eval_args(model_dir, tmp_path / "dup", "--suite", "ppl", "--budget", "64", "--method", "budget=64"))

@@ -42,7 +42,7 @@ def test_a_decode_rerank_promotes_at_most_max_promotions_pages_per_row(monkeypat
     stats = {}
     for limit in (None, 1):
         cache = checked(FlexiCache.from_model(model, profile=all_stable, token_budget=32, page_size=4,
-                                              rerank_interval=1, max_promotions=limit))
+                                              rerank_interval=1, max_promotions=limit, standby_pages=0))
         greedy(model, ids, cache, max_new_tokens=24)
         stats[limit] = cache.stats()
     prompt, decode = [c for c in changed if c[0] is None and c[2]], [c for c in changed if c[0] == 1]

@@ -16,6 +16,7 @@ from flexicache.profile import PROFILE_FILENAME, HeadProfile
 
 BackendName = Literal["auto", "reference", "flashinfer"]
 HostDtypeName = Literal["auto", "float8_e4m3fn"]
+STANDBY_SHARE = 4  # standby_pages="auto": a quarter of K
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class FlexiCacheConfig:
     Attributes:
         token_budget: tokens each KV head attends to at decode; ``token_budget // page_size`` pages (K), the sink
             page and the current tail page included.
-        page_size: tokens per page, a power of two.
+        page_size: tokens per page, a power of two (8 by default: finer selection, twice the page min/max of 16).
         rerank_interval: decode steps between two reranks of a stable head (unstable heads rerank every step).
         rerank_warmup: decode steps after each prompt chunk during which the stable heads rerank every step, as
             the unstable heads do (their selection from the prompt's last query goes stale fastest while the answer
@@ -34,6 +35,12 @@ class FlexiCacheConfig:
             in, as many of its lowest-scoring pages out): the selection follows the queries a few pages at a time,
             which bounds the host-to-device bytes of a rerank step. ``None`` (the default): a rerank takes its whole
             new top-K. Empty slots fill without limit, and a prompt chunk's rerank is never limited.
+        standby_pages: pages a stable head keeps on the device beyond the ``K`` it attends to (``C``): a rerank
+            takes its top ``K - 1 + C`` pages, and every decode step attends to the ``K - 1`` of them that score best
+            for that step's query (plus the tail page), so the selection follows the queries between reranks without
+            scoring every page or copying anything. ``"auto"`` (the default): ``K // 4``; ``0``: the paper's stable
+            heads (the rerank's top ``K - 1`` until the next rerank). Costs ``C`` device pages per stable head and
+            the scores of ``K - 1 + C`` page boxes per stable head and step.
         group_reduce: how page scores of the query heads of one GQA group are combined, ``"max"`` or ``"sum"``.
         spread_weight: how much a page's key spread counts in its score, in ``[0, 1]``: a page scores
             ``q . centre + spread_weight * |q| . radius`` of its key box (:func:`~flexicache.selection.quest_page_scores`);
@@ -61,11 +68,11 @@ class FlexiCacheConfig:
     """
 
     token_budget: int = 2048
-    page_size: int = 16
+    page_size: int = 8
     rerank_interval: int = 16
     rerank_warmup: int = 0
     max_promotions: int | None = None
-    standby_pages: int = 0
+    standby_pages: int | Literal["auto"] = "auto"
     group_reduce: Literal["max", "sum"] = "max"
     spread_weight: float = 0.5
     principal_bounds: bool = True
@@ -101,9 +108,12 @@ class FlexiCacheConfig:
                 raise ValueError(f"max_promotions must be 1 or more pages per rerank (None: no limit), "
                                  f"got {self.max_promotions!r}.")
             object.__setattr__(self, "max_promotions", max_promotions)
-        standby_pages = integer_argument(self.standby_pages, "standby_pages", "a number of pages, 0 or more")
-        if standby_pages < 0:
-            raise ValueError(f"standby_pages must be 0 or more pages, got {self.standby_pages!r}.")
+        if isinstance(self.standby_pages, str) and self.standby_pages == "auto":
+            standby_pages = token_budget // page_size // STANDBY_SHARE
+        else:
+            standby_pages = integer_argument(self.standby_pages, "standby_pages", "pages, 0 or more, or 'auto'")
+            if standby_pages < 0:
+                raise ValueError(f"standby_pages must be 0 or more pages (or 'auto'), got {self.standby_pages!r}.")
         object.__setattr__(self, "standby_pages", standby_pages)
         if not isinstance(self.group_reduce, str) or self.group_reduce not in ("max", "sum"):
             raise ValueError(f"group_reduce must be 'max' or 'sum', got {self.group_reduce!r}.")

@@ -156,7 +156,8 @@ class OracleCache(DynamicCache):
             module docstring); 0: every page.
     """
 
-    def __init__(self, config: Any, token_budget: int = 2048, page_size: int = 16, candidates: int = 0) -> None:
+    def __init__(self, config: Any, token_budget: int = FlexiCacheConfig.token_budget,
+                 page_size: int = FlexiCacheConfig.page_size, candidates: int = 0) -> None:
         if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 0:
             raise ValueError(f"candidates must be an int >= 0 (0: every page a candidate), got {candidates!r}")
         settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size)

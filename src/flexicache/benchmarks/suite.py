@@ -25,6 +25,7 @@ import torch
 from transformers import Cache, DynamicCache, LlamaConfig, MistralConfig, PretrainedConfig
 
 from flexicache import FlexiCache, HeadProfile, attention, handoff
+from flexicache.config import FlexiCacheConfig
 from flexicache.benchmarks.attention import Shape, random_profile
 from flexicache.setting_specs import parse_settings
 
@@ -150,8 +151,8 @@ class Settings:
     dtype: str = "float32"
     backend: str = "auto"
     cuda_graphs: str = "step"  # FlexiCache on CUDA: "step" (whole decode steps), "layer" (each layer's), "off"
-    page_size: int = 16
-    rerank_interval: int = 16
+    page_size: int = FlexiCacheConfig.page_size
+    rerank_interval: int = FlexiCacheConfig.rerank_interval
     unstable_fraction: float = 0.25
     seed: int = 0
     cases: list[str] = field(default_factory=lambda: list(CASES))

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--steps", type=int, default=32, help="last tokens fed one per forward (the traced decode steps)")
     add("--every", type=int, default=1, help="score every N-th traced step (long traces)")
     add("--budget", type=int, nargs="+", default=[256, 512, 1024], help="token budgets to compare")
-    add("--page-size", type=int, default=16)
+    add("--page-size", type=int, default=FlexiCacheConfig.page_size)
     add("--group-reduce", choices=["max", "sum"], default=FlexiCacheConfig.group_reduce)
     add("--spread-weight", type=float, default=FlexiCacheConfig.spread_weight,
         help="FlexiCache's page score (1.0: Quest's bound; the 'quest' row always uses 1.0 in the model's axes)")

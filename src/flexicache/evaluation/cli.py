@@ -17,7 +17,8 @@ from flexicache.cli import DTYPE_HELP, DTYPES, resolve_device, resolve_dtype
 SUITES = ("longbench", "leval", "synthetic", "ppl", "lcc")
 # settings that change what a stored prediction means: resuming with other values is refused
 IDENTITY = ("suite", "model", "gguf_file", "context_length", "decode_tail", "chat", "seed", "page_size",
-            "rerank_interval", "profile", "prefill", "max_new_tokens", "dtype", "data", "stop_strings")
+            "rerank_interval", "standby_pages", "profile", "prefill", "max_new_tokens", "dtype", "data",
+            "stop_strings")
 # suites whose samples depend on the sample count (passkey spreads its needle depths over --limit samples)
 IDENTITY_BY_SUITE = {"synthetic": ("limit",)}
 DEFAULT_SYNTHETIC_SAMPLES = 5
@@ -46,8 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "FlexiCache's box scores (the ceiling of scoring those candidates' keys exactly)")
     parser.add_argument("--profile", help="HeadProfile JSON, 'online' (each prompt's own estimate) or 'default' "
                                           "(default: the shipped one for smollm2, else HeadProfile.default)")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--rerank-interval", type=int, default=16)
+    parser.add_argument("--page-size", type=int, help="tokens per page (default: FlexiCache's)")
+    parser.add_argument("--rerank-interval", type=int, help="stable heads' rerank interval (default: FlexiCache's)")
+    parser.add_argument("--standby-pages", type=_standby_pages,
+                        help="pages a stable head keeps beyond those it attends to, a number or 'auto' (default: "
+                             "FlexiCache's)")
     parser.add_argument("--data", nargs="*", default=None,
                         help="longbench/lcc: folders with data/*.jsonl, JSONL files or zip archives of them "
                              "(longbench without it: the hub's data.zip); leval: L-Eval JSONL files or archives "
@@ -82,6 +86,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--summarize-only", action="store_true",
                         help="predict nothing: write metrics.json and table.md from the predictions --out holds "
                              "(a partly finished folder's summary; each method's n says how many samples it has)")
+
+
+def _standby_pages(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def _fill_cache_defaults(args: argparse.Namespace) -> None:
+    """The FlexiCache settings left out of the command, recorded as FlexiCache's defaults (a results folder is tied
+    to the values its rows ran with)."""
+    from flexicache.config import FlexiCacheConfig
+
+    for name in ("page_size", "rerank_interval", "standby_pages"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(FlexiCacheConfig, name))
 
 
 def _check_resume(out: Path, args: argparse.Namespace) -> None:
@@ -129,6 +147,7 @@ def build_methods(model: Any, args: argparse.Namespace) -> list:
 
     # The settings a row leaves to FlexiCache's defaults are recorded too: a results folder is tied to them.
     defaults = {"page_size": args.page_size, "rerank_interval": args.rerank_interval,
+                "standby_pages": args.standby_pages,
                 "group_reduce": FlexiCacheConfig.group_reduce, "spread_weight": FlexiCacheConfig.spread_weight,
                 "principal_bounds": FlexiCacheConfig.principal_bounds}
     methods = [DenseMethod(model)]
@@ -200,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     args.device = resolve_device(args.device)
     args.dtype = resolve_dtype(args.dtype, args.device)  # recorded resolved: "auto" means another dtype per device
+    _fill_cache_defaults(args)
     _check_resume(out, args)
     if args.no_progress:
         import datasets

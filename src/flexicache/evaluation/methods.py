@@ -100,7 +100,7 @@ class OracleMethod:
 
     model: Any
     token_budget: int
-    page_size: int = 16
+    page_size: int
     candidates: int = 0
     name: str = field(default="")
 
