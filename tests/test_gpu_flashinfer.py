@@ -133,15 +133,18 @@ def test_full_budget_matches_dynamic_cache(group: int) -> None:
 
 def test_flashinfer_generation_matches_reference_backend() -> None:
     """Both backends select with the same Triton kernels; this compares their attention numerics over 48 bf16 steps.
-    Quest's bound (spread_weight=1) keeps page scores of random tokens apart: with a down-weighted spread more of
-    them nearly tie, and a tie that the two backends' bf16 rounding breaks differently, not the decode, then
-    dominates the comparison (the selection kernels are checked against torch at every spread elsewhere)."""
+    Quest's bound (spread_weight=1) on 16-token pages whose stable heads keep their rerank's pages (no standby pages)
+    keeps the selections of random tokens apart: with a down-weighted spread, or a selection made at every step among
+    standby pages, more pages nearly tie, and a tie that the two backends' bf16 rounding breaks differently, not the
+    decode, then dominates the comparison (the selection kernels are checked against torch in every setting
+    elsewhere)."""
     model = tiny_model(4)
     profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim, unstable_heads=[(1, 0)])
     ids = torch.randint(0, 512, (2, 900), device="cuda")
     results = {}
     for backend in ("reference", "flashinfer"):
-        cache = FlexiCache.from_model(model, profile=profile, token_budget=128, backend=backend, spread_weight=1.0)
+        cache = FlexiCache.from_model(model, profile=profile, token_budget=128, backend=backend, spread_weight=1.0,
+                                      page_size=16, standby_pages=0)
         results[backend] = decode_logits(model, cache, ids[:1], 48)
         stats = cache.stats()
         assert stats["promoted_pages"] > 0 and stats["reranks_stable"] > 0
