@@ -114,7 +114,7 @@ def main() -> None:
     planned = layer.backend.prepare(layout, query.shape[1], storage.head_dim, settings.page_size,
                                     settings.pages_per_head, storage.dtype, graphed.scale)
     inputs = graphed.table_inputs(graph.query, layer.step_inputs[layer.device].num_tokens)
-    scores = graph.scores
+    scores, working = graph.scores, graph.working_scores
     block_scores = triton.next_power_of_2(max(inputs.kmin.shape[2], 16))  # as triton_select.list_pages sizes it
     results: dict[str, object] = {"context": args.context, "batch": args.batch, "gpu": torch.cuda.get_device_name(),
                                   "meta_capacity": inputs.kmin.shape[2], "score": {}, "table": {}}
@@ -137,19 +137,20 @@ def main() -> None:
     triton_select.SCORE_BLOCK, triton_select.SCORE_WARPS = defaults[:2]
     triton_select.score_unstable_pages(inputs, scores)
 
-    triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)
+    triton_select.list_pages(inputs, scores, working, flat=planned.indices, indptr=planned.indptr)
     reference_indices = planned.indices.clone()
     for warps in (4, 8, 16):
         triton_select.TABLE_WARPS = warps
         launched = triton_select.selection_warps(block_scores)  # TABLE_WARPS, within the bounds it applies to
         planned.indices.fill_(-7)
-        triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)
+        triton_select.list_pages(inputs, scores, working, flat=planned.indices, indptr=planned.indptr)
         same = bool(torch.equal(planned.indices[:-1], reference_indices[:-1]))
-        us = graph_us(lambda: triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr))
+        us = graph_us(lambda: triton_select.list_pages(inputs, scores, working, flat=planned.indices,
+                                                       indptr=planned.indptr))
         results["table"][f"warps{warps}"] = {"us": us, "same_pages": same, "launched_warps": launched}
         print(f"table warps {warps:2d} (launched {launched:2d}): {us:7.2f} us  same {same}", flush=True)
     triton_select.TABLE_WARPS = defaults[2]
-    triton_select.list_pages(inputs, scores, flat=planned.indices, indptr=planned.indptr)
+    triton_select.list_pages(inputs, scores, working, flat=planned.indices, indptr=planned.indptr)
 
     token = torch.randn(args.batch, storage.num_kv_heads, 1, storage.head_dim, dtype=storage.dtype, device="cuda")
     full_query = torch.randn(args.batch, query.shape[0] // args.batch * query.shape[1], 1, storage.head_dim,

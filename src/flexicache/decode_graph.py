@@ -71,6 +71,7 @@ class DecodeGraph:
         self.query = torch.zeros(batch_size * num_kv_heads, group, head_dim, dtype=dtype, device=device)
         self.output = torch.zeros_like(self.query)
         self.scores: torch.Tensor | None = None  # [B * hu, P] fp32 scratch, sized by the caller
+        self.working_scores: torch.Tensor | None = None  # [B * hs, K - 1 + C] fp32 scratch, sized by the caller
         # The step's keys [B, H, D] and query [B * H, G, D] in the page boxes' axes, when they are turned.
         self.bound_keys = None if bound_dtype is None else torch.zeros_like(self.keys, dtype=bound_dtype)
         self.bound_query = None if bound_dtype is None else torch.zeros_like(self.query, dtype=bound_dtype)

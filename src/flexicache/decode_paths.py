@@ -281,7 +281,12 @@ class GraphedDecode(FusedDecode):
     def _step_launch(self, plan: AppendPlan) -> tuple[Launch, tuple]:
         """This step's device work (token append, scoring, selection, sparse decode into the graph's output) and
         the key of the storage it reads; plans the step (once per step)."""
-        from flexicache.backends.triton_select import append_token, decode_table, scores_buffer
+        from flexicache.backends.triton_select import (
+            append_token,
+            decode_table,
+            scores_buffer,
+            working_scores_buffer,
+        )
 
         storage, graph = self.storage, self.graph
         planned, step = self._device_step(plan)
@@ -295,7 +300,10 @@ class GraphedDecode(FusedDecode):
         inputs = self.table_inputs(graph.query, step.num_tokens)
         if graph.scores is None or graph.scores.shape[1] < inputs.kmin.shape[2]:
             graph.scores = scores_buffer(inputs)
-        scores, output, run_prepared = graph.scores, graph.output, self.backend.run_prepared
+        if graph.working_scores is None:
+            graph.working_scores = working_scores_buffer(inputs)
+        scores, working_scores = graph.scores, graph.working_scores
+        output, run_prepared = graph.output, self.backend.run_prepared
         basis = storage.basis  # the page boxes' axes (principal_bounds): set by the prefill, kept
         bound_keys, bound_query = graph.bound_keys, graph.bound_query
 
@@ -306,10 +314,11 @@ class GraphedDecode(FusedDecode):
             append_token(keys, values, storage.pool.k, storage.pool.v, inputs.kmin, inputs.kmax, storage.write_slots,
                          step.page, step.offset, bound_keys=bound_keys)
             decode_table(dataclasses.replace(inputs, query=query if basis is None else bound_query), scores,
-                         flat=planned.indices, indptr=planned.indptr)
+                         working_scores, flat=planned.indices, indptr=planned.indptr)
             run_prepared(planned, query, storage.pool.k, storage.pool.v, out=output)
 
-        read = (storage.pool.k, storage.pool.v, inputs.kmin, inputs.kmax, inputs.table, inputs.selected, scores)
+        read = (storage.pool.k, storage.pool.v, inputs.kmin, inputs.kmax, inputs.table, inputs.selected, scores,
+                working_scores)
         storage_key = (planned, *((t.data_ptr(), t.shape) if t is not None else None for t in read))
         self._launch = (reads, launch, storage_key)
         return launch, storage_key

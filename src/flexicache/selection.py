@@ -178,7 +178,8 @@ def attended_slots(scores: torch.Tensor, selected: torch.Tensor, count: int) -> 
     held = selected >= 0
     ranked = scores.masked_fill(selected == 0, float("inf")).masked_fill(~held, float("-inf"))
     order = ranked.sort(dim=1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    columns = torch.arange(order.shape[1], device=order.device)
+    rank = torch.empty_like(order).scatter_(1, order, columns.expand_as(order))
     return held & (rank < count)
 
 

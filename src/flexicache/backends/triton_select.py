@@ -325,16 +325,28 @@ def stable_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tens
     return scores
 
 
-def decode_table(inputs: TableInputs, scores: torch.Tensor, flat: torch.Tensor | None = None,
-                 indptr: torch.Tensor | None = None, table_out: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> None:
+def working_scores_buffer(inputs: TableInputs) -> torch.Tensor:
+    """``[B * hs, K - 1 + C]`` fp32 scratch for the stable rows' working-set scores (allocate once; one element
+    without standby pages, where nothing is scored)."""
+    rows, working = (inputs.selected.shape if inputs.selected is not None else (0, 0))
+    standby = working > inputs.pages_per_head - 1
+    return torch.empty(rows if standby else 1, working if standby else 1, dtype=torch.float32,
+                       device=inputs.query.device)
+
+
+def decode_table(inputs: TableInputs, scores: torch.Tensor, working_scores: torch.Tensor | None = None,
+                 flat: torch.Tensor | None = None, indptr: torch.Tensor | None = None,
+                 table_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Score, select and list one layer's pages: fill ``flat`` at ``indptr`` (FlashInfer's index buffer and its
-    ``[B * H + 1]`` row offsets) and/or ``table_out = (slots, page_lens)``, both ``[B * H, K]`` (padded)."""
+    ``[B * H + 1]`` row offsets) and/or ``table_out = (slots, page_lens)``, both ``[B * H, K]`` (padded);
+    ``scores`` and ``working_scores`` are scratch (:func:`scores_buffer`, :func:`working_scores_buffer`; ``None``:
+    allocated here)."""
     if not fits_fused_table(inputs.kmin.shape[2]):
         raise ValueError(f"fused decode table holds at most {MAX_SCORED_PAGES} pages per row, "
                          f"got {inputs.kmin.shape[2]}")
     score_unstable_pages(inputs, scores)
-    list_pages(inputs, scores, flat, indptr, table_out)
+    list_pages(inputs, scores, working_scores_buffer(inputs) if working_scores is None else working_scores, flat,
+               indptr, table_out)
 
 
 def score_unstable_pages(inputs: TableInputs, scores: torch.Tensor) -> None:
@@ -351,9 +363,9 @@ def score_unstable_pages(inputs: TableInputs, scores: torch.Tensor) -> None:
         )
 
 
-def list_pages(inputs: TableInputs, scores: torch.Tensor, flat: torch.Tensor | None = None,
-               indptr: torch.Tensor | None = None, table_out: tuple[torch.Tensor, torch.Tensor] | None = None
-               ) -> None:
+def list_pages(inputs: TableInputs, scores: torch.Tensor, working_scores: torch.Tensor,
+               flat: torch.Tensor | None = None, indptr: torch.Tensor | None = None,
+               table_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Select each row's pages from ``scores`` and write them (see :func:`decode_table`)."""
     rows, group, head_dim = inputs.query.shape
     batch = inputs.num_tokens.shape[0]
@@ -362,10 +374,7 @@ def list_pages(inputs: TableInputs, scores: torch.Tensor, flat: torch.Tensor | N
     block_scores = triton.next_power_of_2(max(inputs.kmin.shape[2], 16))
     slots, lens = table_out if table_out is not None else (unused, unused)
     working = inputs.selected.shape[1] if num_stable else inputs.pages_per_head - 1  # working-set slots per row
-    standby = working > inputs.pages_per_head - 1
     block_working = triton.next_power_of_2(max(working, 1))
-    working_scores = (torch.empty(batch * num_stable, working, dtype=torch.float32, device=inputs.query.device)
-                      if standby else unused)  # scratch
     _decode_table_kernel[(batch * (num_unstable + num_stable),)](
         scores, inputs.table if num_unstable else unused, inputs.selected if num_stable else unused,
         inputs.selected_scores if num_stable else unused, working_scores, inputs.query, inputs.kmin, inputs.kmax,

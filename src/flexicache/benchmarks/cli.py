@@ -34,6 +34,7 @@ OPTIONS: dict[str, tuple[type, str | None, str]] = {
     "unstable_fraction": (float, None, "share of each layer's KV heads that are unstable (random choice)"),
     "rerank_interval": (int, None, "stable heads' rerank interval"),
     "page_size": (int, None, "tokens per page"),
+    "standby_pages": (str, None, "pages a stable head keeps beyond those it attends to: a number or 'auto'"),
     "seed": (int, None, "random seed"),
     "memory_contexts": (int, "+", "memory: context lengths"),
     "memory_systems": (str, "+", "memory: systems (dynamic, dynamic-offload, dense, flexicache-B, quest-B)"),

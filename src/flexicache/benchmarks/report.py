@@ -346,11 +346,15 @@ def setup_lines(results: dict[str, Any]) -> list[str]:
     software += [f"triton {env['triton']}"] if env.get("triton") else []
     software += [f"CUDA {env['cuda']}"] if env.get("cuda") else []
     graphs = f"; CUDA graphs: {settings['cuda_graphs']}" if settings.get("cuda_graphs") else ""
+    standby = settings.get("standby_pages", 0)  # runs that do not record it predate standby pages
+    standby = {0: "no standby pages", "0": "no standby pages", "auto": "standby pages K // 4"}.get(
+        standby, f"{standby} standby pages")
     return [f"{hardware(env)}, {env['cpu_count']} CPU cores, host RAM {env['host_ram_bytes'] / GIB:.0f} GiB; "
             f"{', '.join(software)}.",
             "Models: " + "; ".join(model_text(name, settings) for name in settings["models"]) + ".",
             (f"FlexiCache: {settings['unstable_fraction']:.0%} of each layer's KV heads unstable (chosen at random), "
              f"pages of {settings['page_size']} tokens, stable heads rerank every {settings['rerank_interval']} steps, "
+             f"{standby}, "
              f"backend {settings['backend']}{graphs}. Warm-up (JIT compile) {results.get('warmup_s', '-')} s, "
              f"excluded from timings; run {results.get('elapsed_s', '-')} s.")]
 

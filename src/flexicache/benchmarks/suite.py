@@ -128,7 +128,9 @@ class System:
                                   [(layer, head) for layer in range(shape.num_layers)
                                    for head in range(shape.num_kv_heads)])
             budget = self.budget if self.kind == "quest" else page * math.ceil((tokens + page) / page)
-        options = {"page_size": page, "rerank_interval": settings.rerank_interval, "backend": settings.backend,
+        standby = settings.standby_pages if settings.standby_pages == "auto" else int(settings.standby_pages)
+        options = {"page_size": page, "rerank_interval": settings.rerank_interval, "standby_pages": standby,
+                   "backend": settings.backend,
                    "cuda_graphs": settings.cuda_graphs != "off", "max_cache_len": tokens, "profile": profile,
                    **system_options(self.name)}  # profile=online: the split estimated from the prompt
         return FlexiCache(config, token_budget=budget, **options)
@@ -153,6 +155,7 @@ class Settings:
     cuda_graphs: str = "step"  # FlexiCache on CUDA: "step" (whole decode steps), "layer" (each layer's), "off"
     page_size: int = FlexiCacheConfig.page_size
     rerank_interval: int = FlexiCacheConfig.rerank_interval
+    standby_pages: int | str = FlexiCacheConfig.standby_pages
     unstable_fraction: float = 0.25
     seed: int = 0
     cases: list[str] = field(default_factory=lambda: list(CASES))
