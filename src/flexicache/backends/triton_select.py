@@ -9,7 +9,8 @@ Three launches per layer and step, all CUDA-graph capturable (every per-step val
 - ``_decode_table_kernel`` (grid: row): an unstable row finds the K-th largest score by bisection over
   order-preserving integer keys held in registers (ties go to the lower page, like
   :func:`~flexicache.selection.select_pages`) and lists the chosen pages in ascending order (tail last) through
-  the page table; a *stable* row lists its selection slots that hold a page, then its tail slot.
+  the page table; a *stable* row lists its working-set slots that hold a page (with standby pages: the ``K - 1`` of
+  them whose boxes score best for this step's query, scored in the row's own program), then its tail slot.
 
 Outputs are the compacted FlashInfer index buffer (``indices[indptr[r] + j]``) and/or the padded ``[B * H, K]``
 slot/length table of the backend interface.
