@@ -1,12 +1,13 @@
 """``FlexiCache``: a transformers cache with sparse per-head top-K page attention at decode.
 
 Each full-attention decoder layer is a :class:`~flexicache.layer.FlexiLayer` holding its KV heads in two classes
-(from a :class:`HeadProfile`): unstable heads keep every page on the device and rerank every decode step; stable heads
-keep only their selected pages plus the tail page on the device, the full KV in a host tier, and rerank every
-``rerank_interval`` steps. In a model that mixes layer types, its sliding-window and chunked layers are
-:class:`~flexicache.sliding.SlidingWindowLayer` objects that keep exactly their window (:mod:`flexicache.hybrid`
-says which layer is which). The cache holds what its layers share (the per-request bookkeeping, the decode backend
-per device, the whole-step graphs) and the operations on the whole batch (reset, crop, reorder, stats).
+(from a :class:`HeadProfile`): unstable heads keep every page on the device and rerank every decode step; stable
+heads keep only a working set of pages plus the tail page on the device (attending at each step to its best
+``K - 1``), the full KV in a host tier, and rerank every ``rerank_interval`` steps. In a model that mixes layer
+types, its sliding-window and chunked layers are :class:`~flexicache.sliding.SlidingWindowLayer` objects that keep
+exactly their window (:mod:`flexicache.hybrid` says which layer is which). The cache holds what its layers share (the
+per-request bookkeeping, the decode backend per device, the whole-step graphs) and the operations on the whole batch
+(reset, crop, reorder, stats).
 
 A cache nobody refers to is freed by reference counting alone, its host tier and device buffers with it;
 :meth:`FlexiCache.close` (or a ``with`` block) frees them at once.
@@ -262,7 +263,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
     def stats(self) -> dict[str, Any]:
         """Memory and work counters, summed over layers.
 
-        Keys: ``device_kv_bytes`` (KV in use on the device: unstable heads' pages + stable heads' K slots, and the
+        Keys: ``device_kv_bytes`` (KV in use on the device: unstable heads' pages + stable heads' K + C slots, and the
         windows of sliding-window layers), ``device_metadata_bytes`` (page min/max of the pages in use),
         ``device_reserved_bytes`` (all device tensors, capacity included),
         ``host_kv_bytes`` (stable heads' pages in the host tier), ``host_reserved_bytes``, ``dense_kv_bytes``

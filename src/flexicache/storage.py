@@ -1,7 +1,7 @@
 """The KV storage of one layer: one device page pool, the page min/max of every head, and the two head classes.
 
 Unstable heads keep every page on the device (:class:`~flexicache.paging.ResidentPages`); stable heads keep their
-selected pages and their tail page on the device and the full KV in the host tier
+working set of pages (selected and standby) and their tail page on the device and the full KV in the host tier
 (:class:`~flexicache.offload.OffloadedPages`). Both share the layer's :class:`~flexicache.paging.PagePool` and its
 :class:`~flexicache.paging.PageMetadata`. This module holds the buffers and the writes that follow a plan; the
 kernels that read them at decode are the decode paths' (:mod:`flexicache.decode_paths`).
