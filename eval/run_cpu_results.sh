@@ -55,7 +55,8 @@ for model in ${models[@]}; do
                 budget=256,host_dtype=float8_e4m3fn budget=256,page_size=8,rerank_interval=2 \
                 budget=256,page_size=8,rerank_interval=2,profile=online \
                 budget=256,page_size=8,rerank_interval=2,max_promotions=3 \
-                budget=256,page_size=8,standby_pages=auto,profile=online -- --suite ppl \
+                budget=256,page_size=8,standby_pages=auto,profile=online \
+                budget=128,page_size=8,standby_pages=auto,profile=online -- --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24

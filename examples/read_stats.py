@@ -102,7 +102,7 @@ def checks(cache: FlexiCache, stats: dict, config, dtype: torch.dtype, batch: in
         ("dense_kv_bytes = 2 x L x H x tokens x D x elem", 2 * num_layers * num_kv_heads * tokens * head_dim * element
          * batch, stats["dense_kv_bytes"]),
         ("device_kv_bytes = (unstable x pages + stable x (K + C)) x page bytes",
-         batch * (unstable * pages + stable * (settings.pages_per_head + settings.standby_pages)) * page_bytes,
+         batch * (unstable * pages + stable * (settings.pages_per_head + settings.num_standby_pages)) * page_bytes,
          stats["device_kv_bytes"]),
         ("host_kv_bytes = stable x pages x page bytes", batch * stable * pages * page_bytes, stats["host_kv_bytes"]),
         ("reranks_unstable = decode steps x unstable heads", batch * steps * unstable, stats["reranks_unstable"]),

@@ -243,7 +243,7 @@ def assert_reserved(cache: FlexiCache, batch: int, pages: int) -> None:
     for every page of its unstable heads plus the stable heads' K + C."""
     for layer in cache.layers:
         unstable, stable, storage = len(layer.unstable_heads), len(layer.stable_heads), layer.storage
-        stable_slots = cache.settings.pages_per_head + cache.settings.standby_pages
+        stable_slots = cache.settings.pages_per_head + cache.settings.num_standby_pages
         assert storage.pool.k.shape[0] == batch * (unstable * pages + stable * stable_slots)
         assert storage.meta.kmin.shape[2] == pages
         assert storage.resident is None or storage.resident.table.shape[2] == pages

@@ -6,6 +6,8 @@ values refused. Decode attention against dense attention over the attended pages
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import (
@@ -24,24 +26,45 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flexicache import FlexiCache, HeadProfile
+from flexicache.config import MAX_WORKING_SET_SLOTS, FlexiCacheConfig
 from flexicache.offload import OffloadedPages
+from flexicache.paging import PagePool
 from flexicache.selection import attended_slots
 
 
-@given(st.integers(1, 4), st.integers(1, 10), st.integers(0, 10), st.integers(0, 2**31 - 1), st.booleans())
-def test_attended_slots_are_the_best_held_slots(rows, width, count, seed, ties):
+@given(st.integers(1, 4), st.integers(1, 10), st.integers(0, 10), st.integers(0, 2**31 - 1), st.booleans(),
+       st.booleans())
+def test_attended_slots_are_the_best_held_slots(rows, width, count, seed, ties, infinite):
+    """Held slots only (an empty slot never displaces a held one, even one scoring -inf), the sink first, NaN as
+    +inf (as the kernels rank), ties to the lower slot."""
     generator = torch.Generator().manual_seed(seed)
     scores = torch.randn(rows, width, generator=generator, dtype=torch.float64)
     if ties:
         scores = scores.round()
+    if infinite:
+        special = torch.tensor([float("-inf"), float("inf"), float("nan")], dtype=torch.float64)
+        draw = torch.randint(0, 3, (rows, width), generator=generator)
+        scores = torch.where(torch.rand(rows, width, generator=generator) < 0.4, special[draw], scores)
     selected = torch.randperm(2 * width, generator=generator)[:width].repeat(rows, 1)
     selected[torch.rand(rows, width, generator=generator) < 0.3] = -1
     chosen = attended_slots(scores, selected, count)
     for row in range(rows):
         held = [slot for slot in range(width) if selected[row, slot] >= 0]
-        key = {slot: float("inf") if selected[row, slot] == 0 else float(scores[row, slot]) for slot in held}
+        value = {slot: float(scores[row, slot]) for slot in held}
+        key = {slot: float("inf") if selected[row, slot] == 0 or value[slot] != value[slot] else value[slot]
+               for slot in held}
         best = sorted(held, key=lambda slot: (-key[slot], slot))[:count]
         assert chosen[row].nonzero().view(-1).tolist() == sorted(best)
+
+
+def test_a_held_page_scoring_minus_infinity_is_attended_before_any_empty_slot() -> None:
+    """Three held pages and K - 1 = 3: all three are attended, plus the tail, whatever their scores."""
+    pool = PagePool(2, 4, torch.float64, torch.device("cpu"), capacity=8)
+    pages = OffloadedPages(pool, 1, 1, 4, 2, standby_pages=2)
+    pages.selected.copy_(torch.tensor([[-1, 0, 3, 4, -1]]))
+    slots, lengths = pages.decode_pages(torch.tensor([2]), torch.tensor([[0.0, 5.0, 1.0, float("-inf"), 0.0]]))
+    assert (slots[0, :4] - pages.base).tolist() == [1, 2, 3, 5]
+    assert lengths[0].tolist() == [2, 2, 2, 2]
 
 
 def test_each_step_attends_to_the_working_sets_best_pages_and_copies_nothing_between_reranks(
@@ -65,7 +88,7 @@ def test_each_step_attends_to_the_working_sets_best_pages_and_copies_nothing_bet
     greedy(model, random_prompt(96, seed=4).view(1, -1), cache, max_new_tokens=24)
     assert len(listings) == 2 * 23
     moved = 0
-    for (selected, scores, slots, _), (_, _, next_slots, _) in zip(listings, listings[2:]):
+    for (selected, scores, slots, _), (_, _, next_slots, _) in zip(listings, listings[2:] + listings[-2:]):
         for row in range(selected.shape[0]):
             key = {slot: float("inf") if selected[row, slot] == 0 else float(scores[row, slot]) for slot in range(10)}
             best = sorted(sorted(range(10), key=lambda slot: (-key[slot], slot))[:7])
@@ -134,3 +157,16 @@ def test_a_left_padded_batch_with_standby_pages_generates_what_each_request_gene
 def test_a_bad_standby_count_is_refused_with_what_to_pass(bad: object) -> None:
     with pytest.raises(ValueError, match="standby_pages"):
         FlexiCache(tiny_config(), standby_pages=bad)
+
+
+def test_a_standby_count_past_the_working_set_limit_is_refused_with_the_limit() -> None:
+    with pytest.raises(ValueError, match=f"0 to {MAX_WORKING_SET_SLOTS - 64} pages"):
+        FlexiCacheConfig(token_budget=512, page_size=8, standby_pages=MAX_WORKING_SET_SLOTS)
+    assert FlexiCacheConfig(token_budget=512, page_size=8, standby_pages=MAX_WORKING_SET_SLOTS - 64).num_standby_pages
+
+
+def test_auto_follows_the_budget_through_a_replaced_config() -> None:
+    config = FlexiCacheConfig(token_budget=2048, page_size=8)
+    assert config.standby_pages == "auto" and config.num_standby_pages == 2048 // 8 // 4
+    assert dataclasses.replace(config, token_budget=128).num_standby_pages == 128 // 8 // 4
+    assert dataclasses.replace(config, standby_pages=3).num_standby_pages == 3

@@ -17,6 +17,7 @@ from flexicache.profile import PROFILE_FILENAME, HeadProfile
 BackendName = Literal["auto", "reference", "flashinfer"]
 HostDtypeName = Literal["auto", "float8_e4m3fn"]
 STANDBY_SHARE = 4  # standby_pages="auto": a quarter of K
+MAX_WORKING_SET_SLOTS = 4096  # K + C: device slots per stable head (the fused rerank holds them in registers)
 
 
 @dataclass(frozen=True)
@@ -108,13 +109,13 @@ class FlexiCacheConfig:
                 raise ValueError(f"max_promotions must be 1 or more pages per rerank (None: no limit), "
                                  f"got {self.max_promotions!r}.")
             object.__setattr__(self, "max_promotions", max_promotions)
-        if isinstance(self.standby_pages, str) and self.standby_pages == "auto":
-            standby_pages = token_budget // page_size // STANDBY_SHARE
-        else:
+        if not (isinstance(self.standby_pages, str) and self.standby_pages == "auto"):
             standby_pages = integer_argument(self.standby_pages, "standby_pages", "pages, 0 or more, or 'auto'")
-            if standby_pages < 0:
-                raise ValueError(f"standby_pages must be 0 or more pages (or 'auto'), got {self.standby_pages!r}.")
-        object.__setattr__(self, "standby_pages", standby_pages)
+            limit = max(0, MAX_WORKING_SET_SLOTS - token_budget // page_size)
+            if not 0 <= standby_pages <= limit:
+                raise ValueError(f"standby_pages must be 0 to {limit} pages (K + standby_pages at most "
+                                 f"{MAX_WORKING_SET_SLOTS} slots per head), or 'auto', got {self.standby_pages!r}.")
+            object.__setattr__(self, "standby_pages", standby_pages)
         if not isinstance(self.group_reduce, str) or self.group_reduce not in ("max", "sum"):
             raise ValueError(f"group_reduce must be 'max' or 'sum', got {self.group_reduce!r}.")
         if (isinstance(self.spread_weight, bool) or not isinstance(self.spread_weight, (int, float))
@@ -150,6 +151,13 @@ class FlexiCacheConfig:
     def pages_per_head(self) -> int:
         """K: pages each KV head attends to at decode."""
         return self.token_budget // self.page_size
+
+    @property
+    def num_standby_pages(self) -> int:
+        """C: pages a stable head keeps on the device beyond the ``K`` it attends to (``standby_pages`` resolved)."""
+        if self.standby_pages == "auto":
+            return min(self.pages_per_head // STANDBY_SHARE, max(0, MAX_WORKING_SET_SLOTS - self.pages_per_head))
+        return self.standby_pages
 
 
 def integer_argument(value: object, name: str, expected: str) -> int:

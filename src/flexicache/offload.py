@@ -2,7 +2,7 @@
 
 Per row (request, stable head) the device holds ``K + C`` slots: ``K - 1 + C`` for a *working set* of full pages (the
 sink among them) and the last one for the tail page (the page being written, 1..ps tokens); ``K`` is the pages a head
-attends to, ``C`` its standby pages (``standby_pages``, 0 by default). Full pages live in the host tier. A rerank
+attends to, ``C`` its standby pages (``standby_pages``; the cache's ``"auto"`` is ``K // 4``). Full pages live in the host tier. A rerank
 scores every full page from the device-resident min/max metadata, takes the top ``K - 1 + C`` as the working set and
 copies only the newly promoted pages to the device; a tail page that fills is copied to the host and takes over a
 working-set slot until the next rerank decides. At every decode step a head attends to its working set's ``K - 1``
@@ -325,7 +325,7 @@ class OffloadedPages:
     # ----------------------------------------------------------------------------------------------- rerank
 
     def rerank(self, scores: torch.Tensor, num_full_pages: torch.Tensor, max_promotions: int | None = None) -> None:
-        """Select the top ``K - 1`` full pages (sink forced) and copy only the newly promoted ones to the device.
+        """Select the top ``K - 1 + C`` full pages (sink forced) and copy only the newly promoted ones to the device.
 
         Device work only, no host state changes (the caller counts reranks): a CUDA graph may record it.
 
@@ -380,7 +380,7 @@ class OffloadedPages:
     def decode_pages(self, last_page_len: torch.Tensor, scores: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, page_lens)``, both ``[B * h, K]``: the working-set slots a row attends to, then its tail slot
-        (the last listed). Device work only.
+        (the last listed). Device work only. (``scores=None`` only without standby pages, where ``K + C = K``.)
 
         Args:
             last_page_len: ``[B * h]`` tokens in each row's tail page.
@@ -394,8 +394,8 @@ class OffloadedPages:
         held = self.selected >= 0
         if scores is None:
             return slots, torch.cat([held.long() * self.page_size, last_page_len.view(-1, 1).long()], dim=1)
-        self.selected_scores.copy_(scores.masked_fill(self.selected == 0, float("inf")).masked_fill(
-            ~held, float("-inf")))
+        self.selected_scores.copy_(scores.nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
+                                   .masked_fill(self.selected == 0, float("inf")).masked_fill(~held, float("-inf")))
         attended = attended_slots(scores, self.selected, self.pages_per_head - 1)
         # The attended slots first (in slot order), then the tail, then unused entries (length 0).
         listed = torch.cat([attended, torch.ones_like(attended[:, :1])], dim=1)

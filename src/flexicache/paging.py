@@ -99,7 +99,6 @@ class PageMetadata:
             self.kmax[:, heads, :num_pages].reshape(-1, num_pages, head_dim),
         )
 
-
     def listed_rows(self, heads: torch.Tensor, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kmin, kmax)`` ``[B * len(heads), L, D]`` of the pages ``pages [B * len(heads), L]`` of each row of
         ``heads`` (``-1`` entries read page 0)."""

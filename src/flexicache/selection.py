@@ -174,10 +174,12 @@ def limit_promotions(scores: torch.Tensor, num_full_pages: torch.Tensor, selecte
 
 def attended_slots(scores: torch.Tensor, selected: torch.Tensor, count: int) -> torch.Tensor:
     """``[R, W]`` bool: the ``count`` best held slots of every row's working set ``selected [R, W]`` (``-1`` =
-    empty) by ``scores [R, W]``, the sink (page 0) forced, ties to the lower slot."""
+    empty) by ``scores [R, W]``, the sink (page 0) forced, NaN as ``+inf`` (as the kernels rank), ties to the lower
+    slot; an empty slot never takes a held slot's place, whatever the held slot scores."""
     held = selected >= 0
-    ranked = scores.masked_fill(selected == 0, float("inf")).masked_fill(~held, float("-inf"))
-    order = ranked.sort(dim=1, descending=True, stable=True).indices
+    ranked = scores.nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
+    order = ranked.masked_fill(selected == 0, float("inf")).sort(dim=1, descending=True, stable=True).indices
+    order = order.gather(1, (~held.gather(1, order)).to(torch.int8).sort(dim=1, stable=True).indices)  # held first
     columns = torch.arange(order.shape[1], device=order.device)
     rank = torch.empty_like(order).scatter_(1, order, columns.expand_as(order))
     return held & (rank < count)

@@ -43,7 +43,7 @@ class LayerStorage:
         self.unstable_heads = list(unstable_heads)
         self.stable_heads = [head for head in range(num_kv_heads) if head not in set(unstable_heads)]
         page_size, pages_per_head = settings.page_size, settings.pages_per_head
-        stable_slots = pages_per_head + settings.standby_pages  # a stable row's working set and tail page
+        stable_slots = pages_per_head + settings.num_standby_pages  # a stable row's working set and tail page
         self.pool = PagePool(page_size, head_dim, dtype, device, capacity=batch_size * (
             len(self.unstable_heads) * reserved_pages + len(self.stable_heads) * stable_slots))
         self.unstable_index = torch.tensor(self.unstable_heads, dtype=torch.long, device=device)
@@ -60,7 +60,7 @@ class LayerStorage:
             self.offloaded = OffloadedPages(self.pool, batch_size, len(self.stable_heads), pages_per_head, page_size,
                                             host_pages=settings.reserved_pages,
                                             host_dtype=settings.host_tier_dtype(dtype),
-                                            standby_pages=settings.standby_pages)
+                                            standby_pages=settings.num_standby_pages)
             self.write_slots[:, self.stable_index] = self.offloaded.tail_slots()
         self._reserved_plan: AppendPlan | None = None  # the graphed step whose room reserve_graphed_step made
         self.basis: KeyBasis | None = None  # the page boxes' axes (principal_bounds), set by the first chunk

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from flexicache.backends.triton_select import MAX_SCORED_PAGES, _order_key, _top_keys, selection_warps
 from flexicache.backends.triton_transfer import copy_pages
+from flexicache.config import MAX_WORKING_SET_SLOTS
 
 
 @triton.jit
@@ -98,7 +99,7 @@ def _rerank_kernel(scores_ptr, num_full_ptr, selected_ptr, selected_scores_ptr, 
     tl.atomic_add(promoted_ptr, tl.sum(promoted.to(tl.int64), axis=0))
 
 
-MAX_RERANK_SLOTS = 4096  # working-set slots per row the fused rerank holds as register vectors
+MAX_RERANK_SLOTS = MAX_WORKING_SET_SLOTS  # working-set slots per row the fused rerank holds as register vectors
 
 
 def fits_fused_rerank(scores: torch.Tensor, slots: int) -> bool:

@@ -127,9 +127,9 @@ def retire_tails(pool: tuple[torch.Tensor, torch.Tensor], host: tuple[torch.Tens
     score ``+inf``. A row whose slots hold only the sink keeps the page on the host alone.
 
     Args:
-        pool: the layer's device ``(k, v)`` pages ``[S, ps, D]``; row ``r``'s slots are ``base + r * K + j``.
+        pool: the layer's device ``(k, v)`` pages ``[S, ps, D]``; row ``r``'s slots are ``base + r * (K + C) + j``.
         host: the host tier ``(k, v)`` as pinned pages ``[R * P, ps, D]``, page ``p`` of row ``r`` at ``r * P + p``.
-        selected, selected_scores: ``[R, K - 1]`` int64 / fp32 selection state, updated in place.
+        selected, selected_scores: ``[R, K - 1 + C]`` int64 / fp32 selection state, updated in place.
         batch: ``[n]`` int64 requests whose tail is full; ``before``: ``[B]`` int64 tokens before this step.
         centre: ``[R, D]`` key centre of each row, taken off the keys the host tier stores (``None``: none).
     """

@@ -171,6 +171,7 @@ def bench_flexicache(shape: Shape, prompt: list[tuple[torch.Tensor, torch.Tensor
                   promoted_pages=stats["promoted_pages"], bytes_h2d=stats["bytes_h2d"],
                   reranks_stable=stats["reranks_stable"], reranks_unstable=stats["reranks_unstable"],
                   backend=stats["backend"], pages_per_head=cache.settings.pages_per_head,
+                  standby_pages=cache.settings.num_standby_pages,
                   rerank_interval=rerank_interval, unstable_heads=len(profile.unstable_heads),
                   step_graph_replays=stats["step_graph_replays"],
                   window={name: stats[name] - before[name] for name in

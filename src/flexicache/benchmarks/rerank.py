@@ -112,7 +112,8 @@ def rerank_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for name, row in by_name.items():
         window, steps = row["window"], max(1, row["window"]["decode_steps"])
         stable_rows = window["reranks_stable"]
-        selection_slots = stable_rows * (row["pages_per_head"] - 1)
+        # a stable rerank fills K - 1 + C working-set slots (rows recorded before standby pages: C = 0)
+        selection_slots = stable_rows * (row["pages_per_head"] - 1 + row.get("standby_pages", 0))
         comparable = name != "quest_like"  # shares the floor's host-tier path
         mean, floor_mean = row.get("step_ms_mean"), floor.get("step_ms_mean")
         summary[name] = {

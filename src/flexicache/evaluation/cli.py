@@ -89,7 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _standby_pages(text: str) -> int | str:
-    return text if text == "auto" else int(text)
+    """``--standby-pages``: ``auto`` or a number of pages, 0 or more."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of pages, 0 or more, got {text!r}")
+    return int(text)
 
 
 def _fill_cache_defaults(args: argparse.Namespace) -> None:
