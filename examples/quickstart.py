@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
 
     device = resolve_device(args.device)
     dtype = getattr(torch, resolve_dtype(args.dtype, device))
-    model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, device=device, dtype=dtype)
+    # sdpa for the DynamicCache baseline; FlexiCache.from_model switches the model to the flexicache attention
+    model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, device=device, dtype=dtype,
+                                  attn_implementation="sdpa")
     profile_path = args.profile or (shipped_profile_path("smollm2-135m-instruct") if args.model == SMOLLM2 else None)
     profile = HeadProfile.load(profile_path) if profile_path else None
     sample = build_sample("passkey", tokenizer, args.context_tokens, seed=args.seed, index=0, count=1)
