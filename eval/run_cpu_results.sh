@@ -63,6 +63,9 @@ for model in ${models[@]}; do
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/lcc-8k" 1024 512 budget=1024,rerank_warmup=16 \
                 budget=512,rerank_warmup=16 -- --suite lcc \
                 --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24
+            # the same files' prompts are 1.8k-3.7k tokens (mean 2.7k): budgets 320 and 160 are 1/8 and 1/16 of the mean
+            eval_rows qwen2.5-coder "$root/qwen2.5-coder/lcc-3k" 320 160 -- --suite lcc \
+                --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24
             ;;
         gemma3)  # hybrid: 5 sliding-window (512) layers per global layer; the budget applies to the global layers.
             # About a minute per row and sample on one core: one budget (1/8); the two tasks in two folders, so that
