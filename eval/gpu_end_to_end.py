@@ -5,7 +5,8 @@ On a random-weight model of a real shape (``--shape``, all its layers by default
 
 - ``DynamicCache`` and ``StaticCache`` (``cache_implementation="static"``) on sdpa;
 - ``FlexiCache(config=model.config, token_budget=...)`` on a model loaded with the flexicache attention and nothing
-  else (the layer-by-layer decode: the "two steps taken apart" of the README);
+  else (the "two steps taken apart" of the README: the cache switches the model to whole-step graphs at its first
+  decode step);
 - ``FlexiCache.from_model(model, token_budget=...)`` (whole-step CUDA graphs), and the same for
   ``--long-tokens`` new tokens.
 

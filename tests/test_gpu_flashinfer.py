@@ -6,6 +6,7 @@ Skipped without CUDA + FlashInfer; run on the GPU host (see BENCHMARKS.md for th
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from flexicache import FlexiCache, HeadProfile, disable_step_graphs
 from flexicache.backends import ReferenceBackend, build_decode_layout
 from flexicache.decode_paths import FusedDecode, TorchDecode
+from flexicache.step_graph import StepGraphs
 
 
 def relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
@@ -349,6 +351,35 @@ def test_whole_step_graphs_match_eager_generation(settings: dict) -> None:
     assert graphed_stats["step_graph_replays"] >= 90 and graphed_stats["step_graph_captures"] <= 25, graphed_stats
     for name in ("promoted_pages", "reranks_stable", "reranks_unstable", "bytes_h2d", "bytes_d2h", "decode_steps"):
         assert graphed_stats[name] == eager_stats[name], name
+
+
+def test_a_plain_cache_switches_the_model_calling_it_to_whole_step_graphs() -> None:
+    """``FlexiCache(config)`` on a model loaded with the flexicache attention (the plain path) replays whole-step
+    graphs from its second decode step on, without a warning, with the tokens and logits of a ``from_model`` cache;
+    a model that ``disable_step_graphs`` set to layer by layer stays so, with the same tokens and logits."""
+    profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=64, unstable_heads=[(0, 0), (2, 1), (3, 0)])
+    ids = torch.randint(0, 512, (2, 400), device="cuda")
+    runs = {}
+    for path in ("from_model", "plain", "layer by layer"):
+        model = tiny_model(4)  # the same weights each time (seeded)
+        if path == "from_model":
+            cache = FlexiCache.from_model(model, profile=profile, token_budget=128, backend="flashinfer")
+        else:
+            model.set_attn_implementation("flexicache")
+            if path == "layer by layer":
+                disable_step_graphs(model)
+            cache = FlexiCache(model.config, profile=profile, token_budget=128, backend="flashinfer")
+        with warnings.catch_warnings(record=True) as caught, torch.inference_mode():
+            warnings.simplefilter("always")
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=60,
+                                 min_new_tokens=60, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        assert not [w for w in caught if "decodes layer by layer" in str(w.message)], path
+        runs[path] = out, cache.stats(), isinstance(model.forward, StepGraphs)
+    for path, (out, stats, wrapped) in runs.items():
+        assert torch.equal(out.sequences, runs["from_model"][0].sequences), path
+        assert torch.equal(torch.stack(out.logits), torch.stack(runs["from_model"][0].logits)), path
+        assert wrapped == (path != "layer by layer"), path
+        assert (stats["step_graph_replays"] >= 40) == (path != "layer by layer"), (path, stats)
 
 
 def test_max_cache_len_matches_a_growing_cache_and_records_fewer_graphs() -> None:

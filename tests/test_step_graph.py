@@ -15,7 +15,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from flexicache import FlexiCache, disable_step_graphs, enable_step_graphs, forward_guard, warn_once
 from flexicache.sequence import SequenceState
-from flexicache.step_graph import StepGraphs, StepGraphStore
+from flexicache.step_graph import StepGraphs, StepGraphStore, calling_model
 
 
 def tiny_model() -> LlamaForCausalLM:
@@ -213,25 +213,59 @@ def hint_store(driven: bool, enabled: bool, refusal: str | None) -> StepGraphSto
     return store
 
 
-@pytest.mark.parametrize("case", ["plain", "driven", "cuda_graphs off", "refused", "prefill chunk", "second step"])
-def test_a_decode_step_from_an_unwrapped_forward_on_one_gpu_is_hinted_once(monkeypatch, case: str) -> None:
+def forward(self, store: StepGraphStore, keys: _DecodeKeys) -> None:
+    """Stands in for a model's ``forward`` frame (``self`` the model) that reaches a cache's ``update``."""
+    forward_guard.adopt_unwrapped_forward(store, keys)
+
+
+@pytest.mark.parametrize("case", ["plain", "no model", "layer by layer", "wrapped elsewhere", "driven",
+                                  "cuda_graphs off", "refused", "prefill chunk", "second step"])
+def test_the_first_decode_step_from_an_unwrapped_forward_on_one_gpu_wraps_the_calling_model(
+        monkeypatch, case: str) -> None:
     """The plain path (``FlexiCache(config)`` on a model whose forward enable_step_graphs never wrapped) on one GPU
-    warns once per process and names what to call; nothing where whole-step graphs are on or cannot run."""
+    wraps the forward of the model that called the cache, at its first decode step, silently; where no model calls
+    it (or one whose forward is wrapped already, i.e. not the caller), it warns once per process and names what to
+    call. Nothing where whole-step graphs are on or cannot run, for a model set to layer by layer, or at later steps."""
     monkeypatch.setattr(warn_once, "GIVEN", set())
+    model = tiny_model()
+    if case == "layer by layer":
+        disable_step_graphs(model)
+    if case == "wrapped elsewhere":
+        enable_step_graphs(model)
     store = hint_store(driven=case == "driven", enabled=case != "cuda_graphs off",
                        refusal="hybrid" if case == "refused" else None)
     keys = _DecodeKeys()
     if case == "prefill chunk":
         keys.shape = (2, 2, 40, 16)
     if case == "second step":
-        with pytest.warns(RuntimeWarning):
-            forward_guard.hint_unwrapped_forward(store, keys)
+        forward(model, store, keys)
+        model.forward = type(model).forward.__get__(model)  # unwrapped again: a later step must not look
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        forward_guard.hint_unwrapped_forward(store, keys)
+        if case == "no model":
+            forward_guard.adopt_unwrapped_forward(store, keys)
+        else:
+            forward(model, store, keys)
     messages = [str(warning.message) for warning in caught]
-    if case == "plain":
+    if case in ("no model", "wrapped elsewhere"):
         assert len(messages) == 1 and "FlexiCache.from_model(model" in messages[0]
         assert "enable_step_graphs(model)" in messages[0] and "cuda_graphs=False" in messages[0]
     else:
         assert messages == []
+    assert isinstance(model.forward, StepGraphs) == (case in ("plain", "wrapped elsewhere"))
+
+
+def test_a_plain_cache_finds_the_outermost_model_calling_it() -> None:
+    """``calling_model`` seen from a cache's ``update`` during ``generate``: the causal LM, not its inner model."""
+    model = tiny_model()
+    model.set_attn_implementation("flexicache")
+    found = []
+
+    class Spy(FlexiCache):
+        def update(self, *args, **kwargs):
+            found.append(calling_model())
+            return super().update(*args, **kwargs)
+
+    generate(model, Spy(model.config, token_budget=32), torch.randint(0, 256, (1, 40)))
+    assert found and all(model_found is model for model_found in found)
+    assert calling_model() is None

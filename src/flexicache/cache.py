@@ -183,7 +183,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
             forward_guard.refuse_use_cache_off(kwargs.get("kwargs"))
             forward_guard.begin_forward(self, self._flexi_layers(), self.sequence, self.step_graphs.failed,
                                         self.backends, key_states)
-            forward_guard.hint_unwrapped_forward(self.step_graphs, key_states)
+            forward_guard.adopt_unwrapped_forward(self.step_graphs, key_states)
             if self.head_split is not None and self.sequence.num_chunks == 0:
                 self.head_split.reset()  # a first forward that failed part-way counted nothing
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)

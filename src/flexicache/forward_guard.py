@@ -8,8 +8,8 @@
   all layers' tiers need together are compared with what the process can still take
   (:mod:`flexicache.host_limits`, and the pinned pool's limit on CUDA): a cache that cannot fit fails at its first
   layer with the number of GiB it needs, not after locking most of them, and not in the OOM killer.
-- **The fast path.** A decode step on one GPU from a forward that never replays whole steps as CUDA graphs is
-  warned about once per process, with what to call instead (:func:`hint_unwrapped_forward`).
+- **The fast path.** At the first decode step on one GPU from a forward that never replays whole steps as CUDA
+  graphs, the calling model's forward is wrapped so that the later steps do (:func:`adopt_unwrapped_forward`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from flexicache.config import FlexiCacheConfig
 from flexicache.host_limits import check_room, gib, system_limits
 from flexicache.host_pool import BLOCK_BYTES, REMEDY, host_pool
 from flexicache.sequence import SequenceState
-from flexicache.step_graph import StepGraphStore, single_cuda_device
+from flexicache.step_graph import (LAYER_BY_LAYER, StepGraphs, StepGraphStore, calling_model, enable_step_graphs,
+                                   single_cuda_device)
 from flexicache.storage import LayerStorage
 from flexicache.warn_once import warn_once
 
@@ -127,19 +128,29 @@ def tier_pages(storage: LayerStorage | None, settings: FlexiCacheConfig, pages: 
 
 UNWRAPPED_HINT = (
     "FlexiCache: this cache decodes layer by layer, because the model's forward does not replay whole decode steps "
-    "as CUDA graphs: on a GPU transformers' decode loop is then bound by the host, several times slower than "
-    "whole-step graphs at long contexts. Build the cache with "
+    "as CUDA graphs and no transformers model was found calling it: on a GPU transformers' decode loop is then bound "
+    "by the host, several times slower than whole-step graphs at long contexts. Build the cache with "
     "FlexiCache.from_model(model, ...), or call flexicache.enable_step_graphs(model) once; cuda_graphs=False in the "
     "cache's settings silences this."
 )
 
 
-def hint_unwrapped_forward(store: StepGraphStore, keys: torch.Tensor) -> None:
-    """Warn once per process when a decode step (``keys [B, H, 1, D]``) of a cache that could replay whole-step
-    graphs (``cuda_graphs`` on, all layers on one CUDA device, no refusal) runs from a forward that was never
-    wrapped by :func:`enable_step_graphs`."""
-    if (store.driven or not store.enabled or store.refusal is not None or keys.shape[2] != 1
-            or keys.device.type != "cuda" or not store.layers
+def adopt_unwrapped_forward(store: StepGraphStore, keys: torch.Tensor) -> None:
+    """At the first decode step (``keys [B, H, 1, D]``) of a cache that could replay whole-step graphs
+    (``cuda_graphs`` on, all layers on one CUDA device, no refusal) but runs from a forward that
+    :func:`~flexicache.step_graph.enable_step_graphs` never wrapped (the plain ``FlexiCache(config)`` path): wrap the
+    forward of the model calling it, so that its later decode steps replay as whole-step graphs (this one runs layer
+    by layer). A model that :func:`~flexicache.step_graph.disable_step_graphs` set to layer by layer stays so; where
+    no model is found, warn once per process with what to call."""
+    if (store.driven or store.unwrapped_seen or not store.enabled or store.refusal is not None
+            or keys.shape[2] != 1 or keys.device.type != "cuda" or not store.layers
             or not all(layer.is_initialized for layer in store.layers) or not single_cuda_device(store.layers)):
         return
-    warn_once(UNWRAPPED_HINT, RuntimeWarning, stacklevel=4)
+    store.unwrapped_seen = True
+    model = calling_model()
+    if model is not None and getattr(model, LAYER_BY_LAYER, False):
+        return
+    if model is None or isinstance(model.forward, StepGraphs):
+        warn_once(UNWRAPPED_HINT, RuntimeWarning, stacklevel=4)
+        return
+    enable_step_graphs(model)

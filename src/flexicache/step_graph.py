@@ -41,12 +41,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from transformers import PreTrainedModel
 
 from flexicache import handoff
 from flexicache.decode_graph import capture, capture_stream
@@ -117,6 +119,7 @@ class StepGraphStore:
         self.failed: str | None = None  # an exception inside a graphed step left the cache's state incomplete
         self.next_reranks: tuple[AppendPlan, tuple[bool, ...]] | None = None  # prepare_next_step's, for its plan
         self.driven = False  # a model forward wrapped by enable_step_graphs has run with this cache
+        self.unwrapped_seen = False  # a decode step came from a forward never wrapped (forward_guard's adoption)
 
     def clear(self) -> None:
         """Drop every graph (their storage is gone: cache reset, rebuild or growth)."""
@@ -395,22 +398,41 @@ def _detached(output: Any, cache: Any = None) -> Any:
                     else value)
 
 
+LAYER_BY_LAYER = "_flexicache_layer_by_layer"  # set on a model by disable_step_graphs: a plain cache leaves it as is
+
+
 def enable_step_graphs(model: torch.nn.Module) -> StepGraphs:
     """Make ``model.forward`` replay FlexiCache decode steps from CUDA graphs (idempotent); returns the wrapper.
 
     Calls without a FlexiCache, prefill chunks and caches that cannot record (CPU, several devices,
     ``cuda_graphs=False``) run the original forward. :func:`disable_step_graphs` restores it.
     """
+    vars(model).pop(LAYER_BY_LAYER, None)
     if not isinstance(model.forward, StepGraphs):
         model.forward = StepGraphs(model.forward)
     return model.forward
 
 
 def disable_step_graphs(model: torch.nn.Module) -> None:
-    """Undo :func:`enable_step_graphs`: the forward ``model`` had before (its class's, or a hook's) again."""
+    """Undo :func:`enable_step_graphs`: the forward ``model`` had before (its class's, or a hook's) again, and its
+    FlexiCache decode steps layer by layer from now on (a plain ``FlexiCache(config)`` then does not switch the model
+    to whole-step graphs at its first decode step: :func:`flexicache.forward_guard.adopt_unwrapped_forward`)."""
+    setattr(model, LAYER_BY_LAYER, True)
     if isinstance(model.forward, StepGraphs):
         original = model.forward.eager_forward
         if getattr(original, "__func__", None) is type(model).forward and original.__self__ is model:
             del model.forward
         else:
             model.forward = original
+
+
+def calling_model() -> PreTrainedModel | None:
+    """The outermost transformers model whose ``forward`` runs on this thread's stack (for a cache's ``update``:
+    the model that called it), or ``None``."""
+    found, frame = None, sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "forward" and isinstance(frame.f_locals.get("self"), PreTrainedModel):
+            found = frame.f_locals["self"]
+        frame = frame.f_back
+    return found
+

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import Cache, DynamicCache, LlamaConfig, MistralConfig, PretrainedConfig
 
-from flexicache import FlexiCache, HeadProfile, attention, handoff
+from flexicache import FlexiCache, HeadProfile, attention, disable_step_graphs, handoff
 from flexicache.config import FlexiCacheConfig
 from flexicache.benchmarks.attention import Shape, random_profile
 from flexicache.setting_specs import parse_settings
@@ -322,8 +322,11 @@ class Suite:
 
         layers = layers or self.settings.layers
         if (name, layers) not in self.models:
-            self.models[(name, layers)] = build_model(model_config(name, layers), self.device, self.dtype,
-                                                      self.settings.seed, self.settings.cuda_graphs == "step")
+            model = build_model(model_config(name, layers), self.device, self.dtype, self.settings.seed,
+                                self.settings.cuda_graphs == "step")
+            if self.settings.cuda_graphs == "layer":
+                disable_step_graphs(model)  # a plain FlexiCache would otherwise switch it to whole-step graphs
+            self.models[(name, layers)] = model
         return self.models[(name, layers)]
 
     def memoised(self, key: tuple, compute: Callable[[], Any]) -> Any:
