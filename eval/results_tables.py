@@ -43,6 +43,8 @@ def headers(folder_config: dict, variants: list[tuple[str, str]]) -> list[str]:
     page_size = folder_config.get("page_size")
     standby = folder_config.get("standby_pages")
     folder_rows = f"FlexiCache, {page_size}-token pages" + (", no standby" if standby == 0 else "")
+    if folder_config.get("profile") == "online":
+        folder_rows += ", head split from the prompt"
     first = [header for template, header in variants if template == DEFAULTS[0]]
     rest = [header for template, header in variants if template != DEFAULTS[0]]
     return [*first, f"oracle pages ({page_size} tokens)", folder_rows, "Quest's bound", *rest]
@@ -67,7 +69,7 @@ def command_of(config: dict) -> str:
     """The ``flexicache eval`` command a folder's config.json records (the options that differ from defaults)."""
     parts = ["flexicache eval", f"--suite {config['suite']}", f"--model {config['model']}"]
     for key in ("tasks", "lengths", "data", "limit", "context_length", "prefill", "max_new_tokens", "budget",
-                "method", "page_size", "standby_pages"):
+                "method", "profile", "page_size", "rerank_interval", "standby_pages"):
         value = config.get(key)
         if value is None or value is False or value == [] or value == getattr(FlexiCacheConfig, key, None):
             continue
