@@ -59,10 +59,11 @@ for model in ${models[@]}; do
                 budget=128,page_size=8,standby_pages=auto,profile=online -- --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
             # the library's defaults without a profile beside the oracle pages of their page size (8 tokens), twice
-            # the standby pages, and reranks every 8 steps
+            # the standby pages, reranks every 8 steps, and other spread weights
             python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --suite ppl --page-size 8 \
                 --profile online --budget 256 128 --oracle --method budget=256,standby_pages=16 \
-                budget=256,rerank_interval=8 --data "$stdlib/typing.py" "$stdlib/argparse.py" \
+                budget=256,rerank_interval=8 budget=256,spread_weight=0.25 budget=256,spread_weight=0.75 \
+                budget=256,spread_weight=1.0 --data "$stdlib/typing.py" "$stdlib/argparse.py" \
                 --context-length 2048 --prefill 1536 --out "$root/levers/qwen2.5-coder-ppl-2k-page8"
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
