@@ -99,9 +99,11 @@ def table(folder: Path) -> str:
     for name, task in metrics["tasks"].items():
         lower = task["kind"] == "perplexity"
         for budget in budgets:
+            methods = compared(budget, templates)
+            samples = next((task["n"][method] for method in methods if method in task["n"]), "-")  # the row's first
             lines.append(" | ".join([
-                f"| {name}", f"{budget}", str(task["n"].get(f"flexicache@{budget}", "-")), cell(task, "dense", lower),
-                *(cell(task, method, lower) for method in compared(budget, templates))]) + " |")
+                f"| {name}", f"{budget}", str(samples), cell(task, "dense", lower),
+                *(cell(task, method, lower) for method in methods)]) + " |")
     fidelity = [fidelity_row(name, task, budget, compared(budget, templates))
                 for name, task in metrics["tasks"].items() if task.get("fidelity") for budget in budgets]
     if fidelity:
