@@ -75,13 +75,13 @@ for model in ${models[@]}; do
                 --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24
             ;;
         gemma3)  # hybrid: 5 sliding-window (512) layers per global layer; the budget applies to the global layers.
-            # About a minute per row and sample on one core: 1/8 in full, 1/16 with the defaults only on the passkey;
+            # About a minute per row and sample on one core: 1/8 in full, 1/16 with the defaults only;
             # the two tasks in two folders, so that they can run side by side on two cores (a folder stopped early:
             # --summarize-only, its n in the table)
             eval_rows gemma3 "$root/gemma3/synthetic-8k" 1024 budget=512,page_size=8,standby_pages=auto -- \
                 --suite synthetic --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24
-            eval_rows gemma3 "$root/gemma3/niah-8k" 1024 -- --suite synthetic \
-                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
+            eval_rows gemma3 "$root/gemma3/niah-8k" 1024 budget=512,page_size=8,standby_pages=auto -- \
+                --suite synthetic --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
             eval_rows gemma3 "$root/gemma3/ppl-2k" 256 128 budget=256,page_size=8,rerank_interval=2 \
                 budget=256,page_size=8,rerank_interval=2,max_promotions=3 -- --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
