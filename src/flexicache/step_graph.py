@@ -435,4 +435,3 @@ def calling_model() -> PreTrainedModel | None:
             found = frame.f_locals["self"]
         frame = frame.f_back
     return found
-
