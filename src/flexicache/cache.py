@@ -64,19 +64,20 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
             :meth:`HeadProfile.default`.
         token_budget, page_size, rerank_interval, rerank_warmup, max_promotions, standby_pages, group_reduce,
             spread_weight,
-            principal_bounds, backend, cuda_graphs, max_cache_len, host_dtype: see :class:`FlexiCacheConfig`.
+            principal_bounds, exact_rescore, backend, cuda_graphs, max_cache_len, host_dtype: see :class:`FlexiCacheConfig`.
     """
 
     def __init__(self, config: Any, profile: HeadProfile | str | os.PathLike | None = None, token_budget: int = 2048,
                  page_size: int = 8, rerank_interval: int = 16, rerank_warmup: int = 0,
                  max_promotions: int | None = None, standby_pages: int | str = "auto", group_reduce: str = "max",
-                 spread_weight: float = 0.5, principal_bounds: bool = True, backend: str = "auto",
+                 spread_weight: float = 0.5, principal_bounds: bool = True, exact_rescore: bool = False,
+                 backend: str = "auto",
                  cuda_graphs: bool = True, max_cache_len: int | None = None, host_dtype: str = "auto") -> None:
         self.settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size,
                                          rerank_interval=rerank_interval, rerank_warmup=rerank_warmup,
                                          max_promotions=max_promotions, standby_pages=standby_pages,
                                          group_reduce=group_reduce, spread_weight=spread_weight,
-                                         principal_bounds=principal_bounds,
+                                         principal_bounds=principal_bounds, exact_rescore=exact_rescore,
                                          backend=backend, cuda_graphs=cuda_graphs, max_cache_len=max_cache_len,
                                          host_dtype=host_dtype)
         check_supported_model(config)

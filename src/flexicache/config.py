@@ -49,6 +49,10 @@ class FlexiCacheConfig:
         principal_bounds: keep every page's key box in the principal axes of its (request, head)'s prompt keys
             (:mod:`flexicache.key_basis`; the default): tighter boxes, the same attention; costs a ``[D, D]`` basis
             per row and two small matrix products per layer and step. ``False``: boxes in the model's axes (Quest).
+        exact_rescore: choose the pages a head attends to among candidates by their keys' exact attention mass
+            (:func:`~flexicache.selection.exact_page_scores`), not by their boxes: an unstable head's top ``2K``
+            pages by box score, a stable head's ``K - 1 + C`` pages on the device. Reads the candidates' keys at every
+            step; runs on the torch table path (no fused kernels, no CUDA graphs: a slow option for accuracy).
         backend: decode kernel: ``"auto"`` (FlashInfer on CUDA when installed, else the torch reference),
             ``"reference"`` or ``"flashinfer"``.
         cuda_graphs: on the CUDA + FlashInfer path, capture each layer's decode step (token append, scoring,
@@ -77,6 +81,7 @@ class FlexiCacheConfig:
     group_reduce: Literal["max", "sum"] = "max"
     spread_weight: float = 0.5
     principal_bounds: bool = True
+    exact_rescore: bool = False
     backend: BackendName = "auto"
     cuda_graphs: bool = True
     max_cache_len: int | None = None
@@ -124,6 +129,8 @@ class FlexiCacheConfig:
         object.__setattr__(self, "spread_weight", float(self.spread_weight))
         if not isinstance(self.principal_bounds, bool):
             raise ValueError(f"principal_bounds must be True or False, got {self.principal_bounds!r}.")
+        if not isinstance(self.exact_rescore, bool):
+            raise ValueError(f"exact_rescore must be True or False, got {self.exact_rescore!r}.")
         if not isinstance(self.backend, str) or self.backend not in ("auto", "reference", "flashinfer"):
             raise ValueError(f"backend must be 'auto', 'reference' or 'flashinfer', got {self.backend!r}.")
         if not isinstance(self.cuda_graphs, bool):

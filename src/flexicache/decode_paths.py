@@ -28,7 +28,7 @@ from flexicache.backends import DecodeBackend, PreparedBackend, triton_available
 from flexicache.config import FlexiCacheConfig
 from flexicache.decode_graph import DecodeGraph, StepInputs
 from flexicache.paging import grown_size
-from flexicache.selection import quest_page_scores, select_pages
+from flexicache.selection import exact_page_scores, quest_page_scores, refine_pages, select_pages
 from flexicache.sequence import AppendPlan, per_row
 from flexicache.storage import LayerStorage
 
@@ -77,7 +77,7 @@ def choose_decode_path(storage: LayerStorage, backend: DecodeBackend, fused: boo
                        step_inputs: dict[torch.device, StepInputs]) -> DecodePath:
     """The decode path of a layer with ``storage`` and ``backend`` (``fused``: :func:`fused_kernels_available` for
     its KV; ``step_inputs``: the cache's per-device step inputs, shared by the graphed paths of its layers)."""
-    if not fused:
+    if not fused or storage.settings.exact_rescore:
         return TorchDecode(storage, backend)
     if isinstance(backend, PreparedBackend):
         return GraphedDecode(storage, backend, step_inputs)
@@ -125,12 +125,13 @@ class TorchDecode:
         ``rows_query [B * H, G, D]`` over each row's listed pages."""
         self.write_token(keys, values, plan)
         storage = self.storage
-        slots, page_lens = self.table(rows_query, plan)
+        slots, page_lens = self.table(rows_query, plan, scale)
         layout = plan.decode_layout(storage.num_kv_heads, self.settings.pages_per_head)
         return self.backend.paged_decode(rows_query, storage.pool.k, storage.pool.v, slots, page_lens, scale, layout)
 
-    def table(self, rows_query: torch.Tensor, plan: AppendPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(slots, page_lens)``, ``[B * H, K]``: every row's listed pages (the backend interface's table)."""
+    def table(self, rows_query: torch.Tensor, plan: AppendPlan, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slots, page_lens)``, ``[B * H, K]``: every row's listed pages (the backend interface's table) for
+        ``rows_query [B * H, G, D]`` and the attention's softmax ``scale`` (used by ``exact_rescore``)."""
         storage, k = self.storage, self.settings.pages_per_head
         batch_size, num_kv_heads = storage.batch_size, storage.num_kv_heads
         last_page_len = (plan.after - 1) % self.settings.page_size + 1
@@ -139,7 +140,7 @@ class TorchDecode:
         grouped = rows_query.view(batch_size, num_kv_heads, -1, rows_query.shape[-1])
         if storage.resident is not None:
             unstable_query = grouped[:, storage.unstable_index].flatten(0, 1)
-            resident_slots, resident_lens = self._resident_selection(unstable_query, plan, last_page_len)
+            resident_slots, resident_lens = self._resident_selection(unstable_query, plan, last_page_len, scale)
             width = resident_slots.shape[1]
             slots[:, storage.unstable_index, :width] = resident_slots.view(batch_size, -1, width)
             page_lens[:, storage.unstable_index, :width] = resident_lens.view(batch_size, -1, width)
@@ -150,15 +151,20 @@ class TorchDecode:
                 kmin, kmax = storage.meta.listed_rows(storage.stable_index, storage.offloaded.selected)
                 scores = quest_page_scores(stable_query, kmin, kmax, self.settings.group_reduce,
                                            self.settings.spread_weight)
+                if self.settings.exact_rescore:  # the working set's keys are on the device: rank by them
+                    slots_held, lens_held = storage.offloaded.held_pages()
+                    raw_query = grouped[:, storage.stable_index].flatten(0, 1)
+                    scores = exact_page_scores(raw_query, storage.pool.k[slots_held], lens_held, scale)
             stable_slots, stable_lens = storage.offloaded.decode_pages(
                 per_row(last_page_len, len(storage.stable_heads)), scores)
             slots[:, storage.stable_index] = stable_slots.view(batch_size, -1, k)
             page_lens[:, storage.stable_index] = stable_lens.view(batch_size, -1, k)
         return slots.flatten(0, 1), page_lens.flatten(0, 1)
 
-    def _resident_selection(self, query: torch.Tensor, plan: AppendPlan, last_page_len: torch.Tensor
+    def _resident_selection(self, query: torch.Tensor, plan: AppendPlan, last_page_len: torch.Tensor, scale: float
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-K pages (sink and tail forced) of every unstable row: ``(slots, page_lens)``, ``[B * hu, k]``."""
+        """Top-K pages (sink and tail forced) of every unstable row: ``(slots, page_lens)``, ``[B * hu, k]``; with
+        ``exact_rescore`` the K of most attention mass among the top ``2K`` by box score."""
         storage, settings = self.storage, self.settings
         page_size, num_heads = settings.page_size, len(storage.unstable_heads)
         num_pages = per_row((plan.after + page_size - 1) // page_size, num_heads)
@@ -170,11 +176,22 @@ class TorchDecode:
             kmin, kmax = storage.meta.rows(storage.unstable_index, width)
             scores = quest_page_scores(storage.bound_rows(query, storage.unstable_index), kmin, kmax,
                                        settings.group_reduce, settings.spread_weight)
-            pages, _ = select_pages(scores, num_pages, settings.pages_per_head, force_last=True)
+            if settings.exact_rescore:
+                candidates, _ = select_pages(scores, num_pages, 2 * settings.pages_per_head, force_last=True)
+                lens = self._page_lens(candidates, num_pages, last_page_len)
+                exact = exact_page_scores(query, storage.pool.k[storage.resident.page_slots(candidates)], lens, scale)
+                forced = (candidates == 0) | (candidates == (num_pages - 1).unsqueeze(1))
+                pages = refine_pages(candidates, exact.masked_fill(forced, float("inf")), settings.pages_per_head)
+            else:
+                pages, _ = select_pages(scores, num_pages, settings.pages_per_head, force_last=True)
+        return storage.resident.page_slots(pages), self._page_lens(pages, num_pages, last_page_len)
+
+    def _page_lens(self, pages: torch.Tensor, num_pages: torch.Tensor, last_page_len: torch.Tensor) -> torch.Tensor:
+        """``[B * hu, k]`` tokens in each of the unstable rows' ``pages`` (``-1``: none; the tail partly filled)."""
         is_tail = pages == (num_pages - 1).unsqueeze(1)
-        page_lens = torch.where(is_tail, per_row(last_page_len, num_heads).unsqueeze(1), page_size)
-        page_lens = page_lens.masked_fill(pages < 0, 0)
-        return storage.resident.page_slots(pages), page_lens
+        lens = torch.where(is_tail, per_row(last_page_len, len(self.storage.unstable_heads)).unsqueeze(1),
+                           self.settings.page_size)
+        return lens.masked_fill(pages < 0, 0)
 
 
 class FusedDecode(TorchDecode):
@@ -203,10 +220,10 @@ class FusedDecode(TorchDecode):
 
         return fits_fused_table(self.storage.meta.kmin.shape[2])
 
-    def table(self, rows_query: torch.Tensor, plan: AppendPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    def table(self, rows_query: torch.Tensor, plan: AppendPlan, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The Triton kernels' ``(slots, page_lens)`` table, ``[B * H, K]`` (same contract as the torch one)."""
         if not self.fits():
-            return super().table(rows_query, plan)
+            return super().table(rows_query, plan, scale)
         from flexicache.backends.triton_select import decode_table, scores_buffer
 
         inputs = self.table_inputs(self.storage.bound_rows(rows_query).contiguous(), plan.after)

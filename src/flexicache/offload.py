@@ -377,6 +377,14 @@ class OffloadedPages:
 
     # ----------------------------------------------------------------------------------------------- decode
 
+    def held_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slots, page_lens)``, both ``[B * h, K - 1 + C]``: every row's working-set slots on the device and the
+        tokens each holds (a full page, or 0 for an empty slot)."""
+        rows, width = self.selected.shape
+        columns = torch.arange(width, device=self.selected.device)
+        slots = self.base + torch.arange(rows, device=self.selected.device).view(-1, 1) * self.slots_per_row + columns
+        return slots, (self.selected >= 0).long() * self.page_size
+
     def decode_pages(self, last_page_len: torch.Tensor, scores: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, page_lens)``, both ``[B * h, K]``: the working-set slots a row attends to, then its tail slot

@@ -112,6 +112,39 @@ def select_pages(
     return pages, top_scores.gather(1, order)
 
 
+def exact_page_scores(query: torch.Tensor, keys: torch.Tensor, page_lens: torch.Tensor, scale: float
+                      ) -> torch.Tensor:
+    """``[R, W]`` each listed page's attention mass from its keys: ``log sum_g softmax_g(page)``, the share of the
+    listed tokens' attention that the page holds for query head ``g``, summed over the ``G`` query heads (the
+    oracle's criterion, over the listed pages only). ``-inf`` for a page without tokens.
+
+    Args:
+        query: ``[R, G, D]`` queries of the query heads sharing each row's KV head.
+        keys: ``[R, W, ps, D]`` the keys of every row's ``W`` listed pages.
+        page_lens: ``[R, W]`` tokens in each listed page (its first ``page_lens`` keys count; 0: none).
+        scale: the attention's softmax scale.
+    """
+    logits = torch.einsum("rgd,rwtd->rgwt", query.float(), keys.float()) * scale
+    real = torch.arange(keys.shape[2], device=keys.device) < page_lens.unsqueeze(-1)  # [R, W, ps]
+    page = logits.masked_fill(~real.unsqueeze(1), float("-inf")).logsumexp(dim=-1)  # [R, G, W]
+    share = page - page.logsumexp(dim=-1, keepdim=True)
+    return share.logsumexp(dim=1).nan_to_num(nan=float("-inf"), neginf=float("-inf"))  # no tokens: NaN -> -inf
+
+
+def refine_pages(candidates: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``[R, k]`` the ``k`` best of every row's ``candidates [R, W]`` pages (``-1``: none) by ``scores [R, W]``
+    (``+inf`` forces a page in), in ascending page order with ``-1`` padding at the end, as
+    :func:`select_pages` returns them; ties go to the lower page."""
+    last = torch.iinfo(candidates.dtype).max  # sorts after every page
+    ranked = scores.masked_fill(candidates < 0, float("-inf"))
+    order = candidates.masked_fill(candidates < 0, last).argsort(dim=1, stable=True)  # ascending pages
+    best = ranked.gather(1, order).sort(dim=1, descending=True, stable=True).indices[:, :k]
+    chosen = candidates.gather(1, order.gather(1, best))
+    chosen = chosen.masked_fill(ranked.gather(1, order.gather(1, best)) == float("-inf"), -1)
+    pages = chosen.masked_fill(chosen < 0, last).sort(dim=1).values
+    return pages.masked_fill(pages == last, -1)
+
+
 def update_selection(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: torch.Tensor,
                      max_promotions: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,119 @@
+"""``exact_rescore``: the attended pages chosen among candidates by their keys' attention mass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import (
+    assert_batch_matches_alone,
+    assert_same_generation,
+    checked,
+    dense_cache,
+    greedy,
+    mixed_profile,
+    random_prompt,
+    tiny_config,
+    tiny_model,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flexicache import FlexiCache, FlexiCacheConfig
+from flexicache.selection import exact_page_scores, refine_pages
+
+
+def test_exact_page_scores_are_the_group_summed_attention_share_of_each_page():
+    generator = torch.Generator().manual_seed(0)
+    rows, group, pages, page_size, dim, scale = 3, 2, 5, 4, 8, 0.35
+    query = torch.randn(rows, group, dim, generator=generator, dtype=torch.float64)
+    keys = torch.randn(rows, pages, page_size, dim, generator=generator, dtype=torch.float64)
+    page_lens = torch.tensor([[4, 4, 4, 4, 2], [4, 0, 4, 4, 4], [4, 4, 1, 0, 0]])
+    scores = exact_page_scores(query, keys, page_lens, scale)
+    for row in range(rows):
+        expected = torch.zeros(pages, dtype=torch.float64)
+        for head in range(group):
+            logits = [(keys[row, p, :page_lens[row, p]] @ query[row, head]) * scale for p in range(pages)]
+            total = torch.cat(logits).exp().sum()
+            expected += torch.stack([lg.exp().sum() for lg in logits]) / total
+        for page in range(pages):
+            if page_lens[row, page] == 0:
+                assert scores[row, page] == float("-inf")
+            else:  # computed in float32
+                torch.testing.assert_close(scores[row, page].exp().double(), expected[page], rtol=1e-5, atol=1e-7)
+
+
+def test_exact_scores_find_the_page_a_box_score_misses():
+    """Page 1 holds one key aligned with the query; page 2's keys spread over a large box but each one points
+    away from the query: the box bound ranks page 2 first, the exact mass page 1."""
+    query = torch.tensor([[[1.0, 1.0]]])
+    keys = torch.tensor([[[[0.0, 0.0], [0.0, 0.0]],
+                          [[3.0, 0.0], [0.0, 0.0]],
+                          [[2.9, -9.0], [-9.0, 2.9]]]])
+    bound = (keys[0].amax(1) * query[0, 0]).sum(-1)  # Quest's bound for a positive query: q . kmax
+    assert int(bound.argmax()) == 2
+    scores = exact_page_scores(query, keys, torch.full((1, 3), 2), 1.0)
+    assert int(scores.argmax()) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 9), st.integers(1, 6), st.randoms(use_true_random=False))
+def test_refine_pages_keeps_the_best_candidates_in_page_order(rows, width, k, rng):
+    candidates = torch.tensor([[rng.choice([-1, *range(3 * width)]) for _ in range(width)] for _ in range(rows)])
+    for row in candidates:  # candidates are distinct pages
+        seen = set()
+        for column, page in enumerate(row.tolist()):
+            if page in seen:
+                row[column] = -1
+            seen.add(page)
+    scores = torch.tensor([[rng.choice([float("-inf"), float("inf"), rng.random()]) for _ in range(width)]
+                           for _ in range(rows)])
+    pages = refine_pages(candidates, scores, k)
+    assert pages.shape == (rows, min(k, width))
+    for row in range(rows):
+        ranked = sorted((-float(scores[row, c]), int(candidates[row, c])) for c in range(width)
+                        if candidates[row, c] >= 0 and scores[row, c] > float("-inf"))
+        expected = sorted(page for _, page in ranked[:k])
+        got = [int(p) for p in pages[row] if p >= 0]
+        assert got == expected
+        assert (pages[row, len(got):] == -1).all()
+
+
+def test_a_covering_budget_generates_what_dynamic_cache_generates():
+    config = tiny_config("llama", group=2, num_kv_heads=2, num_layers=2)
+    model = tiny_model(config, seed=1)
+    ids = random_prompt(90, seed=5).view(1, -1)
+    assert_same_generation(model, ids, None, 10, profile=mixed_profile(config), token_budget=128, page_size=8,
+                           exact_rescore=True)
+
+
+@pytest.mark.parametrize("family,group", [("llama", 2), ("qwen2", 4)])
+def test_left_padded_batch_equals_each_request_alone(family, group):
+    config = tiny_config(family, group=group, num_kv_heads=2, num_layers=2)
+    model = tiny_model(config, seed=2)
+    prompts = [random_prompt(n, seed=40 + n) for n in (150, 70, 41)]
+    assert_batch_matches_alone(model, prompts, max_new_tokens=20, profile=mixed_profile(config), token_budget=32,
+                               page_size=4, rerank_interval=3, exact_rescore=True)
+
+
+def test_the_option_changes_the_selection_and_keeps_byte_accounting():
+    """Same prompt, budget well below the context: the exact choice differs from the box choice somewhere, and
+    the device and host bytes are those of the default selection (it only picks other pages)."""
+    config = tiny_config("llama", group=2, num_kv_heads=2, num_layers=2)
+    model = tiny_model(config, seed=3)
+    prompt = random_prompt(240, seed=9).view(1, -1)
+    outputs, stats = [], []
+    for exact in (False, True):
+        cache = checked(FlexiCache.from_model(model, profile=mixed_profile(config), token_budget=32, page_size=4,
+                                              exact_rescore=exact))
+        outputs.append(greedy(model, prompt, cache, None, 16, logits=True)[1])
+        stats.append(cache.stats())
+    assert any(not torch.equal(a, b) for a, b in zip(*outputs))
+    for key in ("device_kv_bytes", "device_metadata_bytes", "host_kv_bytes", "decode_steps"):
+        assert stats[0][key] == stats[1][key], key
+    _, dense_logits = greedy(model, prompt, dense_cache(model), None, 16, logits=True)
+    assert torch.equal(outputs[1][0], dense_logits[0])  # the prefill stays dense
+
+
+def test_exact_rescore_must_be_a_bool():
+    with pytest.raises(ValueError, match="exact_rescore must be True or False"):
+        FlexiCacheConfig(exact_rescore="yes")
