@@ -117,3 +117,24 @@ def test_the_option_changes_the_selection_and_keeps_byte_accounting():
 def test_exact_rescore_must_be_a_bool():
     with pytest.raises(ValueError, match="exact_rescore must be True or False"):
         FlexiCacheConfig(exact_rescore="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_option_runs_the_torch_table_and_matches_the_cpu():
+    """On CUDA the option takes the torch table path (no fused kernels, no graphs): with the torch reference
+    backend in float64 it generates what the CPU generates (logits to 1e-4), and with FlashInfer in bfloat16 it decodes."""
+    config = tiny_config("llama", group=2, num_kv_heads=2, num_layers=2, head_dim=64)
+    prompt = random_prompt(300, seed=11).view(1, -1)
+    settings = {"profile": mixed_profile(config), "token_budget": 64, "page_size": 8, "exact_rescore": True}
+    runs = []
+    for device in ("cpu", "cuda"):
+        model = tiny_model(config, seed=4).to(device)
+        cache = FlexiCache.from_model(model, backend="reference", **settings)
+        runs.append(greedy(model, prompt.to(device), cache, None, 12, logits=True))
+    assert torch.equal(runs[0][0], runs[1][0].cpu())
+    for ours, theirs in zip(runs[0][1], runs[1][1]):  # CUDA's kernels sum in other orders (measured 2e-5)
+        torch.testing.assert_close(ours, theirs.cpu(), rtol=0, atol=1e-4)
+    model = tiny_model(config, seed=4, dtype=torch.bfloat16).to("cuda")
+    cache = FlexiCache.from_model(model, **settings)
+    tokens = greedy(model, prompt.cuda(), cache, None, 12)
+    assert tokens.shape == (1, 312) and cache.stats()["step_graph_replays"] == 0

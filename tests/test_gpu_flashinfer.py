@@ -206,8 +206,9 @@ def test_fused_decode_table_matches_torch_table(standby_pages: int) -> None:
             for layer in cache.layers:
                 rows_query = query.reshape(3 * 2, -1, model.config.head_dim)
                 assert isinstance(layer.path, FusedDecode)  # the reference backend on CUDA: fused kernels, eagerly
-                expected = TorchDecode(layer.storage, layer.backend).table(rows_query, plan)
-                assert listed_pages(layer.path.table(rows_query, plan)) == listed_pages(expected)
+                scale = model.config.head_dim ** -0.5
+                expected = TorchDecode(layer.storage, layer.backend).table(rows_query, plan, scale)
+                assert listed_pages(layer.path.table(rows_query, plan, scale)) == listed_pages(expected)
 
 
 def test_cuda_graph_decode_matches_eager_launches() -> None:

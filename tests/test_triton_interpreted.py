@@ -129,8 +129,9 @@ def check_table() -> None:
                     rows_query = query.reshape(3 * 2, -1, 32)
                     plan = cache.sequence.last_plan
                     for layer in cache.layers:
-                        expected = listed_pages(TorchDecode(layer.storage, layer.backend).table(rows_query, plan))
-                        fused = FusedDecode(layer.storage, layer.backend).table(rows_query, plan)
+                        expected = listed_pages(TorchDecode(layer.storage, layer.backend).table(rows_query, plan,
+                                                                                                 32 ** -0.5))
+                        fused = FusedDecode(layer.storage, layer.backend).table(rows_query, plan, 32 ** -0.5)
                         assert listed_pages(fused) == expected, (unstable, reduce, spread)
 
 
