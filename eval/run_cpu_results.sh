@@ -65,6 +65,15 @@ for model in ${models[@]}; do
                 budget=256,rerank_interval=8 budget=256,spread_weight=0.25 budget=256,spread_weight=0.75 \
                 budget=256,spread_weight=1.0 --data "$stdlib/typing.py" "$stdlib/argparse.py" \
                 --context-length 2048 --prefill 1536 --out "$root/levers/qwen2.5-coder-ppl-2k-page8"
+            # the exact second stage (exact_rescore) beside the defaults without a profile
+            python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --suite ppl --page-size 8 \
+                --profile online --budget 256 --method budget=256,exact_rescore=true \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/qwen2.5-coder-ppl-2k-exact"
+            python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --suite lcc --page-size 8 \
+                --budget 320 160 --method budget=320,exact_rescore=true budget=160,exact_rescore=true \
+                --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24 \
+                --out "$root/levers/qwen2.5-coder-lcc-3k-exact"
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/lcc-8k" 1024 512 budget=1024,rerank_warmup=16 \
@@ -85,6 +94,10 @@ for model in ${models[@]}; do
             eval_rows gemma3 "$root/gemma3/ppl-2k" 256 128 budget=256,page_size=8,rerank_interval=2 \
                 budget=256,page_size=8,rerank_interval=2,max_promotions=3 -- --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
+            python -m flexicache.cli eval --model gemma3 --device cpu --no-progress --suite ppl --page-size 8 \
+                --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/gemma3-ppl-2k-exact"
             ;;
         levers)  # SmolLM2, one budget: each option of the page selection (and the float8 host tier) on its own and
             # combined; perplexity also with the oracle among the top 2K pages by the box scores (the ceiling of an
@@ -106,6 +119,10 @@ for model in ${models[@]}; do
                 budget=192,rerank_interval=1,max_promotions=4 budget=192,rerank_interval=2,max_promotions=2 \
                 budget=192,rerank_interval=2,max_promotions=4 budget=192,standby_pages=auto budget=192,standby_pages=12 \
                 --out "$root/levers/ppl-1.5k-page8"
+            echo "+ levers: ppl, the exact second stage (exact_rescore) beside the defaults"
+            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 96 \
+                --method budget=192,exact_rescore=true budget=96,exact_rescore=true --out "$root/levers/ppl-1.5k-exact"
             echo "+ levers: the main settings on two other files (a replicate of the perplexity rows above)"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
