@@ -74,6 +74,10 @@ for model in ${models[@]}; do
                 --budget 320 160 --method budget=320,exact_rescore=true budget=160,exact_rescore=true \
                 --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24 \
                 --out "$root/levers/qwen2.5-coder-lcc-3k-exact"
+            python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --suite synthetic \
+                --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
+                --page-size 8 --budget 1024 --method budget=1024,exact_rescore=true \
+                --out "$root/levers/qwen2.5-coder-synthetic-8k-exact"
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/lcc-8k" 1024 512 budget=1024,rerank_warmup=16 \
