@@ -127,6 +127,9 @@ for model in ${models[@]}; do
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 96 \
                 --method budget=192,exact_rescore=true budget=96,exact_rescore=true --out "$root/levers/ppl-1.5k-exact"
+            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
+                --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
+                --method budget=192,exact_rescore=true --out "$root/levers/ppl-1.5k-replicate-exact"
             echo "+ levers: passkey and needle at 4k, the exact second stage beside the defaults"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite synthetic \
                 --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
