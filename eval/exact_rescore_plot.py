@@ -16,6 +16,7 @@ TARGET = 1.02  # the accuracy issue's perplexity target at budget 1/8
 # (model, folder, budget at 1/8, budget at 1/16)
 RUNS = (
     ("SmolLM2-135M", "ppl-1.5k-exact", 192, 96),
+    ("SmolLM2-135M, 2 other files", "ppl-1.5k-replicate-exact", 192, None),
     ("Qwen2.5-Coder-0.5B", "qwen2.5-coder-ppl-2k-exact", 256, None),
     ("Gemma-3-270M", "gemma3-ppl-2k-exact", 256, 128),
 )
@@ -40,7 +41,7 @@ def plot(rows: list[tuple[str, str, float, float]], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, ax = plt.subplots(figsize=(9, 3.6))
     positions = range(len(rows))
     width = 0.38
     ax.bar([p - width / 2 for p in positions], [r[2] - 1 for r in rows], width, bottom=1, label="defaults")
