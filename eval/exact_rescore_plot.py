@@ -17,7 +17,7 @@ TARGET = 1.02  # the accuracy issue's perplexity target at budget 1/8
 RUNS = (
     ("SmolLM2-135M", "ppl-1.5k-exact", 192, 96),
     ("SmolLM2-135M, 2 other files", "ppl-1.5k-replicate-exact", 192, None),
-    ("Qwen2.5-Coder-0.5B", "qwen2.5-coder-ppl-2k-exact", 256, None),
+    ("Qwen2.5-Coder-0.5B", "qwen2.5-coder-ppl-2k-exact", 256, 128),
     ("Gemma-3-270M", "gemma3-ppl-2k-exact", 256, 128),
 )
 

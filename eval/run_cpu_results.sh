@@ -67,7 +67,7 @@ for model in ${models[@]}; do
                 --context-length 2048 --prefill 1536 --out "$root/levers/qwen2.5-coder-ppl-2k-page8"
             # the exact second stage (exact_rescore) beside the defaults without a profile
             python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --suite ppl --page-size 8 \
-                --profile online --budget 256 --method budget=256,exact_rescore=true \
+                --profile online --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-exact"
             python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --suite lcc --page-size 8 \

@@ -120,5 +120,5 @@ def test_accuracy_cost_reads_the_committed_runs(tmp_path: Path) -> None:
 def test_exact_rescore_plot_reads_the_committed_runs(tmp_path: Path) -> None:
     """eval/exact_rescore_plot.py finds both rows of every model and budget it lists and draws them."""
     out = run_script("exact_rescore_plot.py", "--out", str(tmp_path / "exact_rescore.png"))
-    assert out.count("exact_rescore 1.") == 6 and "Qwen2.5-Coder-0.5B   1/8" in out
+    assert out.count("exact_rescore 1.") == 7 and "Qwen2.5-Coder-0.5B   1/8" in out
     assert (tmp_path / "exact_rescore.png").stat().st_size > 0
