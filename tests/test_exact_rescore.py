@@ -122,7 +122,8 @@ def test_exact_rescore_must_be_a_bool():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_option_runs_the_torch_table_and_matches_the_cpu():
     """On CUDA the option takes the torch table path (no fused kernels, no graphs): with the torch reference
-    backend in float64 it generates what the CPU generates (logits to 1e-4), and with FlashInfer in bfloat16 it decodes."""
+    backend in float64 it generates what the CPU generates (logits to 1e-4), and with FlashInfer in bfloat16 it
+    decodes."""
     config = tiny_config("llama", group=2, num_kv_heads=2, num_layers=2, head_dim=64)
     prompt = random_prompt(300, seed=11).view(1, -1)
     settings = {"profile": mixed_profile(config), "token_budget": 64, "page_size": 8, "exact_rescore": True}

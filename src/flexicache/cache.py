@@ -63,16 +63,16 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
             estimated from the prompt at the first prefill (:mod:`flexicache.head_split`); ``"default"``:
             :meth:`HeadProfile.default`.
         token_budget, page_size, rerank_interval, rerank_warmup, max_promotions, standby_pages, group_reduce,
-            spread_weight,
-            principal_bounds, exact_rescore, backend, cuda_graphs, max_cache_len, host_dtype: see :class:`FlexiCacheConfig`.
+            spread_weight, principal_bounds, exact_rescore, backend, cuda_graphs, max_cache_len, host_dtype: see
+            :class:`FlexiCacheConfig`.
     """
 
     def __init__(self, config: Any, profile: HeadProfile | str | os.PathLike | None = None, token_budget: int = 2048,
                  page_size: int = 8, rerank_interval: int = 16, rerank_warmup: int = 0,
                  max_promotions: int | None = None, standby_pages: int | str = "auto", group_reduce: str = "max",
                  spread_weight: float = 0.5, principal_bounds: bool = True, exact_rescore: bool = False,
-                 backend: str = "auto",
-                 cuda_graphs: bool = True, max_cache_len: int | None = None, host_dtype: str = "auto") -> None:
+                 backend: str = "auto", cuda_graphs: bool = True, max_cache_len: int | None = None,
+                 host_dtype: str = "auto") -> None:
         self.settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size,
                                          rerank_interval=rerank_interval, rerank_warmup=rerank_warmup,
                                          max_promotions=max_promotions, standby_pages=standby_pages,
