@@ -136,11 +136,12 @@ for model in ${models[@]}; do
                 --page-size 8 --budget 512 256 --method budget=512,exact_rescore=true budget=256,exact_rescore=true \
                 --out "$root/levers/synthetic-4k-exact"
             echo "+ levers: passkey and needle at 7.7k, budget 1024 (1/7.5), the exact second stage beside the defaults"
-            for task in passkey niah_single_1; do
-                python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite synthetic \
-                    --tasks "$task" --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 --budget 1024 \
-                    --method budget=1024,exact_rescore=true --out "$root/levers/synthetic-8k-$task-exact"
-            done
+            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite synthetic \
+                --tasks passkey --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 --budget 1024 \
+                --method budget=1024,exact_rescore=true --out "$root/levers/synthetic-8k-passkey-exact"
+            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite synthetic \
+                --tasks niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 --budget 1024 \
+                --method budget=1024,exact_rescore=true --out "$root/levers/synthetic-8k-niah_single_1-exact"
             echo "+ levers: the main settings on two other files (a replicate of the perplexity rows above)"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
