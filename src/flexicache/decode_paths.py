@@ -147,14 +147,14 @@ class TorchDecode:
         if storage.offloaded is not None:
             scores = None
             if storage.offloaded.standby_pages:  # this step's scores of the working sets' pages
-                stable_query = storage.bound_rows(grouped[:, storage.stable_index].flatten(0, 1), storage.stable_index)
-                kmin, kmax = storage.meta.listed_rows(storage.stable_index, storage.offloaded.selected)
-                scores = quest_page_scores(stable_query, kmin, kmax, self.settings.group_reduce,
-                                           self.settings.spread_weight)
+                stable_query = grouped[:, storage.stable_index].flatten(0, 1)
                 if self.settings.exact_rescore:  # the working set's keys are on the device: rank by them
                     slots_held, lens_held = storage.offloaded.held_pages()
-                    raw_query = grouped[:, storage.stable_index].flatten(0, 1)
-                    scores = exact_page_scores(raw_query, storage.pool.k[slots_held], lens_held, scale)
+                    scores = exact_page_scores(stable_query, storage.pool.k[slots_held], lens_held, scale)
+                else:
+                    kmin, kmax = storage.meta.listed_rows(storage.stable_index, storage.offloaded.selected)
+                    scores = quest_page_scores(storage.bound_rows(stable_query, storage.stable_index), kmin, kmax,
+                                               self.settings.group_reduce, self.settings.spread_weight)
             stable_slots, stable_lens = storage.offloaded.decode_pages(
                 per_row(last_page_len, len(storage.stable_heads)), scores)
             slots[:, storage.stable_index] = stable_slots.view(batch_size, -1, k)

@@ -380,10 +380,13 @@ class OffloadedPages:
     def held_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, page_lens)``, both ``[B * h, K - 1 + C]``: every row's working-set slots on the device and the
         tokens each holds (a full page, or 0 for an empty slot)."""
-        rows, width = self.selected.shape
-        columns = torch.arange(width, device=self.selected.device)
-        slots = self.base + torch.arange(rows, device=self.selected.device).view(-1, 1) * self.slots_per_row + columns
-        return slots, (self.selected >= 0).long() * self.page_size
+        return self._row_slots()[:, :-1], (self.selected >= 0).long() * self.page_size
+
+    def _row_slots(self) -> torch.Tensor:
+        """``[B * h, K + C]`` every row's device slots: its working set, then its tail slot."""
+        device = self.pool.k.device
+        columns = torch.arange(self.slots_per_row, device=device)
+        return self.base + torch.arange(self.num_rows, device=device).view(-1, 1) * self.slots_per_row + columns
 
     def decode_pages(self, last_page_len: torch.Tensor, scores: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,9 +399,7 @@ class OffloadedPages:
                 (:func:`~flexicache.selection.attended_slots` picks the ``K - 1`` attended ones, and the scores
                 replace ``selected_scores``); ``None`` without: every held slot is attended.
         """
-        rows, device = self.num_rows, self.pool.k.device
-        columns = torch.arange(self.slots_per_row, device=device)
-        slots = self.base + torch.arange(rows, device=device).view(-1, 1) * self.slots_per_row + columns
+        slots = self._row_slots()
         held = self.selected >= 0
         if scores is None:
             return slots, torch.cat([held.long() * self.page_size, last_page_len.view(-1, 1).long()], dim=1)
