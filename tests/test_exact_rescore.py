@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexicache import FlexiCache, FlexiCacheConfig
-from flexicache.selection import exact_page_scores, refine_pages
+from flexicache.selection import exact_page_scores, select_candidates, select_pages
 
 
 def test_exact_page_scores_are_the_group_summed_attention_share_of_each_page():
@@ -55,27 +55,27 @@ def test_exact_scores_find_the_page_a_box_score_misses():
     assert int(scores.argmax()) == 1
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.integers(1, 4), st.integers(1, 9), st.integers(1, 6), st.randoms(use_true_random=False))
-def test_refine_pages_keeps_the_best_candidates_in_page_order(rows, width, k, rng):
-    candidates = torch.tensor([[rng.choice([-1, *range(3 * width)]) for _ in range(width)] for _ in range(rows)])
-    for row in candidates:  # candidates are distinct pages
-        seen = set()
-        for column, page in enumerate(row.tolist()):
-            if page in seen:
-                row[column] = -1
-            seen.add(page)
-    scores = torch.tensor([[rng.choice([float("-inf"), float("inf"), rng.random()]) for _ in range(width)]
-                           for _ in range(rows)])
-    pages = refine_pages(candidates, scores, k)
-    assert pages.shape == (rows, min(k, width))
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 4), st.integers(2, 12), st.integers(2, 7), st.randoms(use_true_random=False))
+def test_selecting_among_candidates_selects_what_a_page_indexed_row_selects(rows, num_pages, k, rng):
+    """The candidates' columns chosen by their scores are the pages select_pages chooses from a row holding those
+    scores at the candidates and -inf elsewhere (sink and tail forced, ties to the lower page): the torch path does
+    the first, the Triton kernels the second."""
+    width = num_pages + 2
+    candidates = torch.full((rows, width), -1)
+    scores = torch.full((rows, width), float("-inf"))
+    page_row = torch.full((rows, width), float("-inf"))
     for row in range(rows):
-        ranked = sorted((-float(scores[row, c]), int(candidates[row, c])) for c in range(width)
-                        if candidates[row, c] >= 0 and scores[row, c] > float("-inf"))
-        expected = sorted(page for _, page in ranked[:k])
-        got = [int(p) for p in pages[row] if p >= 0]
-        assert got == expected
-        assert (pages[row, len(got):] == -1).all()
+        middle = [p for p in range(1, num_pages - 1) if rng.random() < 0.5]
+        listed = sorted({0, num_pages - 1, *middle})
+        candidates[row, :len(listed)] = torch.tensor(listed)
+        for column, page in enumerate(listed):
+            value = rng.choice([float("-inf"), 0.0, 1.0, rng.random()])
+            scores[row, column] = page_row[row, page] = value
+    columns = select_candidates(candidates, scores, k)
+    pages = torch.where(columns >= 0, candidates.gather(1, columns.clamp(min=0)), -1)
+    expected, _ = select_pages(page_row, torch.full((rows,), num_pages), k, force_last=True)
+    assert torch.equal(pages, expected)
 
 
 def test_a_covering_budget_generates_what_dynamic_cache_generates():
@@ -120,13 +120,14 @@ def test_exact_rescore_must_be_a_bool():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_option_runs_the_torch_table_and_matches_the_cpu():
-    """On CUDA the option takes the torch table path (no fused kernels, no graphs): with the torch reference
-    backend in float64 it generates what the CPU generates (logits to 1e-4), and with FlashInfer in bfloat16 it
-    decodes."""
+def test_on_cuda_the_triton_kernels_choose_what_the_torch_path_chooses():
+    """On CUDA the option runs in the Triton kernels: with the torch reference backend in float64 (the fused eager
+    path) it generates what the CPU's torch path generates (logits to 1e-4); with FlashInfer in bfloat16 its
+    whole-step graphs generate what the same kernels generate launched one by one."""
     config = tiny_config("llama", group=2, num_kv_heads=2, num_layers=2, head_dim=64)
     prompt = random_prompt(300, seed=11).view(1, -1)
-    settings = {"profile": mixed_profile(config), "token_budget": 64, "page_size": 8, "exact_rescore": True}
+    settings = {"profile": mixed_profile(config), "token_budget": 64, "page_size": 8, "standby_pages": 2,
+                "exact_rescore": True}
     runs = []
     for device in ("cpu", "cuda"):
         model = tiny_model(config, seed=4).to(device)
@@ -136,6 +137,8 @@ def test_on_cuda_the_option_runs_the_torch_table_and_matches_the_cpu():
     for ours, theirs in zip(runs[0][1], runs[1][1]):  # CUDA's kernels sum in other orders (measured 2e-5)
         torch.testing.assert_close(ours, theirs.cpu(), rtol=0, atol=1e-4)
     model = tiny_model(config, seed=4, dtype=torch.bfloat16).to("cuda")
-    cache = FlexiCache.from_model(model, **settings)
-    tokens = greedy(model, prompt.cuda(), cache, None, 12)
-    assert tokens.shape == (1, 312) and cache.stats()["step_graph_replays"] == 0
+    graphed = FlexiCache.from_model(model, **settings)
+    tokens = greedy(model, prompt.cuda(), graphed, None, 24)
+    assert graphed.stats()["step_graph_replays"] > 0
+    eager = FlexiCache.from_model(model, cuda_graphs=False, **settings)
+    assert torch.equal(tokens, greedy(model, prompt.cuda(), eager, None, 24))

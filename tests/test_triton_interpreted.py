@@ -108,18 +108,21 @@ def listed_pages(table: tuple[torch.Tensor, torch.Tensor]) -> list[list[tuple[in
 def check_table() -> None:
     """Every row lists the same pages (slot, length, order) as the torch table: unstable rows over and under the
     budget, stable rows (attending to all their working set, or with standby pages to its best), max and sum over the
-    GQA group, Quest's bound and a down-weighted spread, random and all-zero
-    queries (ties everywhere)."""
+    GQA group, Quest's bound and a down-weighted spread, random and all-zero queries (ties everywhere); pages chosen
+    by their boxes or (``exact_rescore``) by their keys' attention mass, with box axes rotated or not (the exact
+    scores read the stored keys)."""
     from flexicache import FlexiCache, HeadProfile
     from flexicache.decode_paths import FusedDecode, TorchDecode
 
     model = tiny_model()
-    for unstable, principal, standby in (([(0, 0), (1, 1)], False, 0), ([(0, 0), (0, 1)], False, 0), ([], False, 0),
-                                         ([(0, 0), (1, 1)], True, 0), ([(1, 1)], True, 3)):
+    for unstable, principal, standby, exact in (
+            ([(0, 0), (1, 1)], False, 0, False), ([(0, 0), (0, 1)], False, 0, False), ([], False, 0, False),
+            ([(0, 0), (1, 1)], True, 0, False), ([(1, 1)], True, 3, False), ([(0, 0), (1, 1)], False, 0, True),
+            ([(1, 1)], False, 3, True), ([], False, 2, True), ([(0, 0)], True, 3, True)):
         profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=unstable)
         ids, mask = padded_batch()
         cache = FlexiCache.from_model(model, profile=profile, token_budget=64, principal_bounds=principal,
-                                      standby_pages=standby)
+                                      standby_pages=standby, exact_rescore=exact)
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=21, do_sample=False)
             for reduce, spread in itertools.product(("max", "sum"), (1.0, 0.5)):
@@ -132,7 +135,7 @@ def check_table() -> None:
                         expected = listed_pages(TorchDecode(layer.storage, layer.backend).table(rows_query, plan,
                                                                                                  32 ** -0.5))
                         fused = FusedDecode(layer.storage, layer.backend).table(rows_query, plan, 32 ** -0.5)
-                        assert listed_pages(fused) == expected, (unstable, reduce, spread)
+                        assert listed_pages(fused) == expected, (unstable, standby, exact, reduce, spread)
 
 
 @triton.jit
@@ -362,14 +365,17 @@ def check_graph() -> None:
     the planned index buffer, and each layer's "graph" replaced by a recorder. At every step where a captured graph
     would replay, the launches must match the captured ones exactly (tensor storage, shapes and scalars), i.e.
     nothing the graph reads moved without a re-capture; through left padding, reranks, promotions, tail retirements,
-    growth, a crop and a continued generate. Tokens must equal the torch reference path's."""
+    growth, a crop and a continued generate; with ``exact_rescore`` too. Tokens must equal the torch reference
+    path's."""
     from flexicache import FlexiCache, HeadProfile, decode_graph
-    from flexicache.backends import triton_select
+    from flexicache.backends import triton_exact, triton_select
 
     torch.cuda.synchronize = lambda *args, **kwargs: None
     launches: list = []
-    for name in ("_score_pages_kernel", "_decode_table_kernel", "_append_token_kernel"):
-        kernel = getattr(triton_select, name)
+    for module, name in ((triton_select, "_score_pages_kernel"), (triton_select, "_decode_table_kernel"),
+                         (triton_select, "_append_token_kernel"), (triton_exact, "_candidates_kernel"),
+                         (triton_exact, "_page_mass_kernel"), (triton_exact, "_page_shares_kernel")):
+        kernel = getattr(module, name)
 
         def recorded(grid, kernel=kernel, name=name):
             def launch(*args, **kwargs):
@@ -378,7 +384,7 @@ def check_graph() -> None:
                 return kernel[grid](*args, **kwargs)
             return launch
 
-        setattr(triton_select, name, type(name, (), {"__getitem__": staticmethod(recorded)})())
+        setattr(module, name, type(name, (), {"__getitem__": staticmethod(recorded)})())
     mismatches = []
 
     def run(self, launch, storage_key):
@@ -396,7 +402,8 @@ def check_graph() -> None:
     model = tiny_model()
     profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=[(0, 1), (1, 0)])
     ids, mask = padded_batch()
-    for principal in (False, True):  # page boxes in the model's axes and in each head's principal axes
+    # Page boxes in the model's axes and in each head's principal axes; pages chosen by their boxes or their keys.
+    for principal, exact in ((False, False), (True, False), (False, True)):
         tokens = {}
         for mode in ("graph", "reference"):
             with (cuda_path_on_cpu(lambda: FlashInferStandIn(launches)) if mode == "graph"
@@ -405,7 +412,8 @@ def check_graph() -> None:
                 decode_graph.DecodeGraph.run = run if mode == "graph" else original_run
                 try:
                     flexi = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4,
-                                                  principal_bounds=principal)
+                                                  principal_bounds=principal, exact_rescore=exact,
+                                                  standby_pages=2 if exact else "auto")
                     with torch.inference_mode():
                         tokens[mode] = generate_crop_continue(model, flexi, ids, mask, first_tokens=40)
                 finally:
@@ -415,7 +423,7 @@ def check_graph() -> None:
                 assert all(1 <= count <= 12 for count in captures), captures  # most steps replay
                 assert flexi.stats()["promoted_pages"] > 0
         assert not mismatches, mismatches[:1]
-        assert all(torch.equal(a, b) for a, b in zip(tokens["graph"], tokens["reference"])), principal
+        assert all(torch.equal(a, b) for a, b in zip(tokens["graph"], tokens["reference"])), (principal, exact)
 
 
 @contextlib.contextmanager

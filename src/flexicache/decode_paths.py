@@ -28,11 +28,12 @@ from flexicache.backends import DecodeBackend, PreparedBackend, triton_available
 from flexicache.config import FlexiCacheConfig
 from flexicache.decode_graph import DecodeGraph, StepInputs
 from flexicache.paging import grown_size
-from flexicache.selection import exact_page_scores, quest_page_scores, refine_pages, select_pages
+from flexicache.selection import exact_page_scores, quest_page_scores, select_candidates, select_pages
 from flexicache.sequence import AppendPlan, per_row
 from flexicache.storage import LayerStorage
 
 if TYPE_CHECKING:
+    from flexicache.backends.triton_exact import ExactScratch
     from flexicache.backends.triton_select import TableInputs
 
 Launch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (keys [B, H, D], values, query [R, G, D])
@@ -77,7 +78,7 @@ def choose_decode_path(storage: LayerStorage, backend: DecodeBackend, fused: boo
                        step_inputs: dict[torch.device, StepInputs]) -> DecodePath:
     """The decode path of a layer with ``storage`` and ``backend`` (``fused``: :func:`fused_kernels_available` for
     its KV; ``step_inputs``: the cache's per-device step inputs, shared by the graphed paths of its layers)."""
-    if not fused or storage.settings.exact_rescore:
+    if not fused:
         return TorchDecode(storage, backend)
     if isinstance(backend, PreparedBackend):
         return GraphedDecode(storage, backend, step_inputs)
@@ -166,25 +167,25 @@ class TorchDecode:
         """Top-K pages (sink and tail forced) of every unstable row: ``(slots, page_lens)``, ``[B * hu, k]``; with
         ``exact_rescore`` the K of most attention mass among the top ``2K`` by box score."""
         storage, settings = self.storage, self.settings
-        page_size, num_heads = settings.page_size, len(storage.unstable_heads)
+        page_size, num_heads, k = settings.page_size, len(storage.unstable_heads), settings.pages_per_head
         num_pages = per_row((plan.after + page_size - 1) // page_size, num_heads)
         width = plan.max_pages_after
-        if width <= settings.pages_per_head:  # every page fits in the budget: no scoring needed
+        if width <= k:  # every page fits in the budget: no scoring needed
             pages = torch.arange(width, device=query.device).expand(query.shape[0], width)
             pages = pages.masked_fill(pages >= num_pages.unsqueeze(1), -1)
         else:
             kmin, kmax = storage.meta.rows(storage.unstable_index, width)
             scores = quest_page_scores(storage.bound_rows(query, storage.unstable_index), kmin, kmax,
                                        settings.group_reduce, settings.spread_weight)
-            if settings.exact_rescore:
-                candidates, _ = select_pages(scores, num_pages, 2 * settings.pages_per_head, force_last=True)
-                lens = self._page_lens(candidates, num_pages, last_page_len)
-                exact = exact_page_scores(query, storage.pool.k[storage.resident.page_slots(candidates)], lens, scale)
-                forced = (candidates == 0) | (candidates == (num_pages - 1).unsqueeze(1))
-                pages = refine_pages(candidates, exact.masked_fill(forced, float("inf")), settings.pages_per_head)
-            else:
-                pages, _ = select_pages(scores, num_pages, settings.pages_per_head, force_last=True)
-        return storage.resident.page_slots(pages), self._page_lens(pages, num_pages, last_page_len)
+            pages, _ = select_pages(scores, num_pages, 2 * k if settings.exact_rescore else k, force_last=True)
+        slots, lens = storage.resident.page_slots(pages), self._page_lens(pages, num_pages, last_page_len)
+        if width <= k or not settings.exact_rescore:
+            return slots, lens
+        exact = exact_page_scores(query, storage.pool.k[slots], lens, scale)
+        columns = select_candidates(pages, exact, k)
+        listed = columns >= 0
+        columns = columns.clamp(min=0)
+        return slots.gather(1, columns).masked_fill(~listed, -1), lens.gather(1, columns).masked_fill(~listed, 0)
 
     def _page_lens(self, pages: torch.Tensor, num_pages: torch.Tensor, last_page_len: torch.Tensor) -> torch.Tensor:
         """``[B * hu, k]`` tokens in each of the unstable rows' ``pages`` (``-1``: none; the tail partly filled)."""
@@ -224,13 +225,20 @@ class FusedDecode(TorchDecode):
         """The Triton kernels' ``(slots, page_lens)`` table, ``[B * H, K]`` (same contract as the torch one)."""
         if not self.fits():
             return super().table(rows_query, plan, scale)
-        from flexicache.backends.triton_select import decode_table, scores_buffer
+        from flexicache.backends.triton_exact import ExactInputs, exact_decode_table, exact_scratch
+        from flexicache.backends.triton_select import decode_table, scores_buffer, working_scores_buffer
 
         inputs = self.table_inputs(self.storage.bound_rows(rows_query).contiguous(), plan.after)
         slots = torch.empty(rows_query.shape[0], self.settings.pages_per_head, dtype=torch.long,
                             device=self.storage.device)
         page_lens = torch.empty_like(slots)
-        decode_table(inputs, scores_buffer(inputs), table_out=(slots, page_lens))
+        if self.settings.exact_rescore:
+            exact = ExactInputs(rows_query.contiguous(), self.storage.pool.k, scale,
+                                exact_scratch(inputs, rows_query.shape[1]))
+            exact_decode_table(inputs, exact, scores_buffer(inputs), working_scores_buffer(inputs),
+                               table_out=(slots, page_lens))
+        else:
+            decode_table(inputs, scores_buffer(inputs), table_out=(slots, page_lens))
         return slots, page_lens
 
     def table_inputs(self, rows_query: torch.Tensor, num_tokens: torch.Tensor) -> TableInputs:
@@ -268,6 +276,7 @@ class GraphedDecode(FusedDecode):
         self._launch: tuple | None = None  # (what it reads, launch, storage key) of the last _step_launch
         self.recorded_rerank = False  # whether the step a whole-step graph records reranks the stable heads
         self.recorded_launch: Launch | None = None  # and the launch it records
+        self.exact_scratch: ExactScratch | None = None  # with exact_rescore: the scratch the last launch writes
 
     def run(self, keys: torch.Tensor, values: torch.Tensor, rows_query: torch.Tensor, plan: AppendPlan,
             scale: float) -> torch.Tensor:
@@ -298,6 +307,7 @@ class GraphedDecode(FusedDecode):
     def _step_launch(self, plan: AppendPlan) -> tuple[Launch, tuple]:
         """This step's device work (token append, scoring, selection, sparse decode into the graph's output) and
         the key of the storage it reads; plans the step (once per step)."""
+        from flexicache.backends.triton_exact import ExactInputs, exact_decode_table, exact_scratch
         from flexicache.backends.triton_select import (
             append_token,
             decode_table,
@@ -320,6 +330,12 @@ class GraphedDecode(FusedDecode):
         if graph.working_scores is None:
             graph.working_scores = working_scores_buffer(inputs)
         scores, working_scores = graph.scores, graph.working_scores
+        exact = None
+        if self.settings.exact_rescore:  # its scratch is kept while it fits: a captured graph writes it
+            group = graph.query.shape[1]
+            if self.exact_scratch is None or not self.exact_scratch.fits(inputs, group):
+                self.exact_scratch = exact_scratch(inputs, group)
+            exact = ExactInputs(graph.query, storage.pool.k, self.scale, self.exact_scratch)
         output, run_prepared = graph.output, self.backend.run_prepared
         basis = storage.basis  # the page boxes' axes (principal_bounds): set by the prefill, kept
         bound_keys, bound_query = graph.bound_keys, graph.bound_query
@@ -330,12 +346,16 @@ class GraphedDecode(FusedDecode):
                 basis.rows(query, out=bound_query)
             append_token(keys, values, storage.pool.k, storage.pool.v, inputs.kmin, inputs.kmax, storage.write_slots,
                          step.page, step.offset, bound_keys=bound_keys)
-            decode_table(dataclasses.replace(inputs, query=query if basis is None else bound_query), scores,
-                         working_scores, flat=planned.indices, indptr=planned.indptr)
+            table_inputs = dataclasses.replace(inputs, query=query if basis is None else bound_query)
+            if exact is None:
+                decode_table(table_inputs, scores, working_scores, flat=planned.indices, indptr=planned.indptr)
+            else:
+                exact_decode_table(table_inputs, dataclasses.replace(exact, query=query), scores, working_scores,
+                                   flat=planned.indices, indptr=planned.indptr)
             run_prepared(planned, query, storage.pool.k, storage.pool.v, out=output)
 
         read = (storage.pool.k, storage.pool.v, inputs.kmin, inputs.kmax, inputs.table, inputs.selected, scores,
-                working_scores)
+                working_scores, *(exact.scratch.tensors() if exact is not None else ()))
         storage_key = (planned, *((t.data_ptr(), t.shape) if t is not None else None for t in read))
         self._launch = (reads, launch, storage_key)
         return launch, storage_key

@@ -131,18 +131,14 @@ def exact_page_scores(query: torch.Tensor, keys: torch.Tensor, page_lens: torch.
     return share.logsumexp(dim=1).nan_to_num(nan=float("-inf"), neginf=float("-inf"))  # no tokens: NaN -> -inf
 
 
-def refine_pages(candidates: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
-    """``[R, k]`` the ``k`` best of every row's ``candidates [R, W]`` pages (``-1``: none) by ``scores [R, W]``
-    (``+inf`` forces a page in), in ascending page order with ``-1`` padding at the end, as
-    :func:`select_pages` returns them; ties go to the lower page."""
-    last = torch.iinfo(candidates.dtype).max  # sorts after every page
-    ranked = scores.masked_fill(candidates < 0, float("-inf"))
-    order = candidates.masked_fill(candidates < 0, last).argsort(dim=1, stable=True)  # ascending pages
-    best = ranked.gather(1, order).sort(dim=1, descending=True, stable=True).indices[:, :k]
-    chosen = candidates.gather(1, order.gather(1, best))
-    chosen = chosen.masked_fill(ranked.gather(1, order.gather(1, best)) == float("-inf"), -1)
-    pages = chosen.masked_fill(chosen < 0, last).sort(dim=1).values
-    return pages.masked_fill(pages == last, -1)
+def select_candidates(candidates: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``[R, min(k, W)]`` the columns of the ``k`` best of every row's ``candidates [R, W]`` by ``scores [R, W]``,
+    in ascending order with ``-1`` padding at the end. The candidates are pages as :func:`select_pages` lists them
+    (ascending, ``-1`` padding last, sink and tail included): the first and the last listed are forced in and ties
+    go to the lower page, so the pages chosen are those :func:`select_pages` chooses from a page-indexed row holding
+    ``scores`` at the candidates and ``-inf`` elsewhere."""
+    columns, _ = select_pages(scores, (candidates >= 0).sum(dim=1), k, force_last=True)
+    return columns
 
 
 def update_selection(scores: torch.Tensor, num_full_pages: torch.Tensor, selected: torch.Tensor,

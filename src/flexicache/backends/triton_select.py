@@ -194,6 +194,7 @@ def _decode_table_kernel(
     K: tl.constexpr, SLOTS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_S: tl.constexpr, CHUNK_W: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     REDUCE_SUM: tl.constexpr, SPREAD_WEIGHTED: tl.constexpr, WRITE_TABLE: tl.constexpr, WRITE_FLAT: tl.constexpr,
+    WORKING_SCORED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     index, batch, row = _row_of(pid, num_unstable_rows, num_unstable, num_stable, num_heads, unstable_heads_ptr,
@@ -237,10 +238,11 @@ def _decode_table_kernel(
         attended = page >= 0
         if SLOTS > K - 1:
             working_scores = working_scores_ptr + index.to(tl.int64) * SLOTS
-            _listed_scores(query_ptr, kmin_ptr, kmax_ptr, selected_row, working_scores, row.to(tl.int64),
-                           row.to(tl.int64) * meta_capacity, SLOTS, weight_high, weight_low, GROUP, HEAD_DIM, BLOCK_W,
-                           CHUNK_W, REDUCE_SUM, SPREAD_WEIGHTED)
-            tl.debug_barrier()
+            if not WORKING_SCORED:
+                _listed_scores(query_ptr, kmin_ptr, kmax_ptr, selected_row, working_scores, row.to(tl.int64),
+                               row.to(tl.int64) * meta_capacity, SLOTS, weight_high, weight_low, GROUP, HEAD_DIM,
+                               BLOCK_W, CHUNK_W, REDUCE_SUM, SPREAD_WEIGHTED)
+                tl.debug_barrier()
             score = tl.load(working_scores + w, mask=attended, other=0.0)
             score = tl.where(page == 0, float("inf"), tl.where(attended, score, float("-inf")))
             tl.store(selected_scores_ptr + index.to(tl.int64) * SLOTS + w, score, mask=w < SLOTS)
@@ -366,8 +368,9 @@ def score_unstable_pages(inputs: TableInputs, scores: torch.Tensor) -> None:
 
 def list_pages(inputs: TableInputs, scores: torch.Tensor, working_scores: torch.Tensor,
                flat: torch.Tensor | None = None, indptr: torch.Tensor | None = None,
-               table_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Select each row's pages from ``scores`` and write them (see :func:`decode_table`)."""
+               table_out: tuple[torch.Tensor, torch.Tensor] | None = None, working_scored: bool = False) -> None:
+    """Select each row's pages from ``scores`` and write them (see :func:`decode_table`); ``working_scored``: the
+    stable rows' working-set scores are in ``working_scores`` already (else their boxes are scored here)."""
     rows, group, head_dim = inputs.query.shape
     batch = inputs.num_tokens.shape[0]
     num_unstable, num_stable = inputs.unstable_heads.numel(), inputs.stable_heads.numel()
@@ -388,7 +391,7 @@ def list_pages(inputs: TableInputs, scores: torch.Tensor, working_scores: torch.
         BLOCK_K=triton.next_power_of_2(inputs.pages_per_head), BLOCK_W=block_working, BLOCK_S=block_scores,
         CHUNK_W=min(32, block_working), GROUP=group, HEAD_DIM=head_dim, REDUCE_SUM=inputs.group_reduce == "sum",
         SPREAD_WEIGHTED=inputs.spread_weight != 1.0, WRITE_TABLE=table_out is not None, WRITE_FLAT=flat is not None,
-        num_warps=selection_warps(block_scores),
+        WORKING_SCORED=working_scored, num_warps=selection_warps(block_scores),
     )
 
 
