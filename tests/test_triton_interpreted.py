@@ -374,7 +374,7 @@ def check_graph() -> None:
     launches: list = []
     for module, name in ((triton_select, "_score_pages_kernel"), (triton_select, "_decode_table_kernel"),
                          (triton_select, "_append_token_kernel"), (triton_exact, "_candidates_kernel"),
-                         (triton_exact, "_page_mass_kernel"), (triton_exact, "_page_shares_kernel")):
+                         (triton_exact, "_page_mass_kernel")):
         kernel = getattr(module, name)
 
         def recorded(grid, kernel=kernel, name=name):

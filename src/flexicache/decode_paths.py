@@ -33,8 +33,7 @@ from flexicache.sequence import AppendPlan, per_row
 from flexicache.storage import LayerStorage
 
 if TYPE_CHECKING:
-    from flexicache.backends.triton_exact import ExactScratch
-    from flexicache.backends.triton_select import TableInputs
+    from flexicache.backends.triton_select import ExactScratch, TableInputs
 
 Launch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (keys [B, H, D], values, query [R, G, D])
 
@@ -225,8 +224,8 @@ class FusedDecode(TorchDecode):
         """The Triton kernels' ``(slots, page_lens)`` table, ``[B * H, K]`` (same contract as the torch one)."""
         if not self.fits():
             return super().table(rows_query, plan, scale)
-        from flexicache.backends.triton_exact import ExactInputs, exact_decode_table, exact_scratch
-        from flexicache.backends.triton_select import decode_table, scores_buffer, working_scores_buffer
+        from flexicache.backends.triton_exact import ExactInputs, exact_decode_table
+        from flexicache.backends.triton_select import decode_table, exact_scratch, scores_buffer, working_scores_buffer
 
         inputs = self.table_inputs(self.storage.bound_rows(rows_query).contiguous(), plan.after)
         slots = torch.empty(rows_query.shape[0], self.settings.pages_per_head, dtype=torch.long,
@@ -307,10 +306,11 @@ class GraphedDecode(FusedDecode):
     def _step_launch(self, plan: AppendPlan) -> tuple[Launch, tuple]:
         """This step's device work (token append, scoring, selection, sparse decode into the graph's output) and
         the key of the storage it reads; plans the step (once per step)."""
-        from flexicache.backends.triton_exact import ExactInputs, exact_decode_table, exact_scratch
+        from flexicache.backends.triton_exact import ExactInputs, exact_decode_table
         from flexicache.backends.triton_select import (
             append_token,
             decode_table,
+            exact_scratch,
             scores_buffer,
             working_scores_buffer,
         )

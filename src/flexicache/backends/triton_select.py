@@ -10,7 +10,9 @@ Three launches per layer and step, all CUDA-graph capturable (every per-step val
   order-preserving integer keys held in registers (ties go to the lower page, like
   :func:`~flexicache.selection.select_pages`) and lists the chosen pages in ascending order (tail last) through
   the page table; a *stable* row lists its working-set slots that hold a page (with standby pages: the ``K - 1`` of
-  them whose boxes score best for this step's query, scored in the row's own program), then its tail slot.
+  them whose boxes score best for this step's query, scored in the row's own program), then its tail slot. With
+  ``exact_rescore`` both choose by the page masses of :mod:`flexicache.backends.triton_exact` instead (an
+  unstable row among its top ``2K`` candidates).
 
 Outputs are the compacted FlashInfer index buffer (``indices[indptr[r] + j]``) and/or the padded ``[B * H, K]``
 slot/length table of the backend interface.
@@ -133,6 +135,33 @@ def _listed_scores(query_ptr, kmin_ptr, kmax_ptr, pages_ptr, out_ptr, query_row,
         tl.store(out_ptr + entry, score, mask=entry < count)
 
 
+@triton.jit
+def _mass_scores(mass_ptr, count, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """``[BLOCK]`` each listed page's share of the listed pages' attention summed over the ``GROUP`` query heads, in
+    natural log (:func:`~flexicache.selection.exact_page_scores`; ``-inf`` for a page without tokens), from the
+    log2 masses ``[GROUP, count]`` at ``mass_ptr`` (``exact_rescore``, :mod:`flexicache.backends.triton_exact`)."""
+    w = tl.arange(0, BLOCK)
+    # share_g = mass_g - log2 sum_w 2^mass_g; then log2 sum_g 2^share_g, both with their maxima out.
+    top_share = tl.full([BLOCK], float("-inf"), tl.float32)
+    for g in tl.static_range(GROUP):
+        mass = tl.load(mass_ptr + g * count + w, mask=w < count, other=float("-inf"))
+        top_share = tl.maximum(top_share, mass - _log2_sum_exp2(mass))
+    safe_top = tl.where(top_share == float("-inf"), 0.0, top_share)
+    total = tl.zeros([BLOCK], tl.float32)
+    for g in tl.static_range(GROUP):
+        mass = tl.load(mass_ptr + g * count + w, mask=w < count, other=float("-inf"))
+        total += tl.exp2(mass - _log2_sum_exp2(mass) - safe_top)
+    return tl.where(total > 0, (safe_top + tl.log2(total)) * 0.6931471805599453, float("-inf"))
+
+
+@triton.jit
+def _log2_sum_exp2(mass):
+    """``log2 sum 2^mass`` over a row (``-inf`` for a row of ``-inf``)."""
+    top = tl.max(mass, axis=0)
+    safe = tl.where(top == float("-inf"), 0.0, top)
+    return safe + tl.log2(tl.sum(tl.exp2(mass - safe), axis=0))
+
+
 @triton.jit(do_not_specialize=["num_listed", "num_heads", "meta_capacity", "scores_stride", "weight_high",
                                 "weight_low"])
 def _score_pages_kernel(query_ptr, kmin_ptr, kmax_ptr, num_tokens_ptr, heads_ptr, scores_ptr,
@@ -189,12 +218,13 @@ def _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, positions
 def _decode_table_kernel(
     scores_ptr, table_ptr, selected_ptr, selected_scores_ptr, working_scores_ptr, query_ptr, kmin_ptr, kmax_ptr,
     num_tokens_ptr, unstable_heads_ptr, stable_heads_ptr, out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr,
+    candidate_slots_ptr, candidate_lens_ptr, unstable_mass_ptr, stable_mass_ptr,
     num_unstable_rows, num_unstable, num_stable, num_heads, table_capacity, stable_base, scores_stride, meta_capacity,
     weight_high, weight_low,
     K: tl.constexpr, SLOTS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_S: tl.constexpr, CHUNK_W: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     REDUCE_SUM: tl.constexpr, SPREAD_WEIGHTED: tl.constexpr, WRITE_TABLE: tl.constexpr, WRITE_FLAT: tl.constexpr,
-    WORKING_SCORED: tl.constexpr,
+    EXACT: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid = tl.program_id(0)
     index, batch, row = _row_of(pid, num_unstable_rows, num_unstable, num_stable, num_heads, unstable_heads_ptr,
@@ -217,6 +247,19 @@ def _decode_table_kernel(
             every_length = tl.where(k_offsets == num_pages - 1, last_len, PAGE_SIZE)
             _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, k_offsets, every_slot, every_length,
                        listed, K, WRITE_TABLE, WRITE_FLAT)
+        elif EXACT:  # the K of most attention mass among the candidates (ascending pages: sink first, tail last)
+            c = tl.arange(0, BLOCK_C)
+            candidate = index.to(tl.int64) * 2 * K + c
+            length = tl.load(candidate_lens_ptr + candidate, mask=c < 2 * K, other=0)
+            listed = length > 0
+            last = tl.sum(listed.to(tl.int32), axis=0) - 1
+            score = _mass_scores(unstable_mass_ptr + index.to(tl.int64) * GROUP * 2 * K, 2 * K, GROUP, BLOCK_C)
+            score = tl.where((c == 0) | (c == last), float("inf"), score)
+            chosen = _top_keys(_order_key(score).to(tl.int64), listed, K)
+            position = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+            chosen_slot = tl.load(candidate_slots_ptr + candidate, mask=chosen, other=-1)
+            _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, position, chosen_slot, length, chosen,
+                       K, WRITE_TABLE, WRITE_FLAT)
         else:
             page = tl.arange(0, BLOCK_S)
             valid = page < num_pages
@@ -237,13 +280,15 @@ def _decode_table_kernel(
         page = tl.load(selected_row + w, mask=w < SLOTS, other=-1)
         attended = page >= 0
         if SLOTS > K - 1:
-            working_scores = working_scores_ptr + index.to(tl.int64) * SLOTS
-            if not WORKING_SCORED:
+            if EXACT:
+                score = _mass_scores(stable_mass_ptr + index.to(tl.int64) * GROUP * SLOTS, SLOTS, GROUP, BLOCK_W)
+            else:
+                working_scores = working_scores_ptr + index.to(tl.int64) * SLOTS
                 _listed_scores(query_ptr, kmin_ptr, kmax_ptr, selected_row, working_scores, row.to(tl.int64),
                                row.to(tl.int64) * meta_capacity, SLOTS, weight_high, weight_low, GROUP, HEAD_DIM,
                                BLOCK_W, CHUNK_W, REDUCE_SUM, SPREAD_WEIGHTED)
                 tl.debug_barrier()
-            score = tl.load(working_scores + w, mask=attended, other=0.0)
+                score = tl.load(working_scores + w, mask=attended, other=0.0)
             score = tl.where(page == 0, float("inf"), tl.where(attended, score, float("-inf")))
             tl.store(selected_scores_ptr + index.to(tl.int64) * SLOTS + w, score, mask=w < SLOTS)
             if tl.sum(attended.to(tl.int32), axis=0) > K - 1:  # ties go to the lower slots
@@ -284,6 +329,47 @@ class TableInputs:
     page_size: int
     group_reduce: str
     spread_weight: float = 1.0
+
+
+@dataclass
+class ExactScratch:
+    """A layer's scratch for the exact rescoring (kept by a captured CUDA graph): ``candidates`` /
+    ``candidate_slots`` / ``candidate_lens``: ``[B * hu, 2K]`` int64; ``unstable_mass``: ``[B * hu, G, 2K]`` and
+    ``stable_mass``: ``[B * hs, G, K - 1 + C]`` fp32 (one row where a class has no rows or, for the stable rows, no
+    standby pages)."""
+
+    candidates: torch.Tensor
+    candidate_slots: torch.Tensor
+    candidate_lens: torch.Tensor
+    unstable_mass: torch.Tensor
+    stable_mass: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.candidates, self.candidate_slots, self.candidate_lens, self.unstable_mass, self.stable_mass)
+
+    def fits(self, inputs: TableInputs, group: int) -> bool:
+        """Whether this scratch serves a table of ``inputs`` with ``group`` query heads per row."""
+        unstable, stable = _scratch_shapes(inputs, group)
+        return self.unstable_mass.shape == unstable and self.stable_mass.shape == stable
+
+
+def exact_scratch(inputs: TableInputs, group: int) -> ExactScratch:
+    """Fresh :class:`ExactScratch` for a table of ``inputs`` with ``group`` query heads per row."""
+    unstable, stable = _scratch_shapes(inputs, group)
+    device = inputs.num_tokens.device
+    index = torch.full((unstable[0], unstable[2]), -1, dtype=torch.long, device=device)
+    return ExactScratch(index, index.clone(), torch.zeros_like(index),
+                        torch.empty(unstable, dtype=torch.float32, device=device),
+                        torch.empty(stable, dtype=torch.float32, device=device))
+
+
+def _scratch_shapes(inputs: TableInputs, group: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The shapes of the unstable and the stable rows' page masses (see :class:`ExactScratch`)."""
+    unstable_rows = inputs.num_tokens.shape[0] * inputs.unstable_heads.numel()
+    working = inputs.selected.shape[1] if inputs.selected is not None else 0
+    stable_rows = inputs.selected.shape[0] if working > inputs.pages_per_head - 1 else 0
+    return ((max(unstable_rows, 1), group, 2 * inputs.pages_per_head),
+            (max(stable_rows, 1), group, max(working, 1)))
 
 
 def selection_warps(block_scores: int) -> int:
@@ -368,9 +454,11 @@ def score_unstable_pages(inputs: TableInputs, scores: torch.Tensor) -> None:
 
 def list_pages(inputs: TableInputs, scores: torch.Tensor, working_scores: torch.Tensor,
                flat: torch.Tensor | None = None, indptr: torch.Tensor | None = None,
-               table_out: tuple[torch.Tensor, torch.Tensor] | None = None, working_scored: bool = False) -> None:
-    """Select each row's pages from ``scores`` and write them (see :func:`decode_table`); ``working_scored``: the
-    stable rows' working-set scores are in ``working_scores`` already (else their boxes are scored here)."""
+               table_out: tuple[torch.Tensor, torch.Tensor] | None = None, exact: ExactScratch | None = None
+               ) -> None:
+    """Select each row's pages from ``scores`` and write them (see :func:`decode_table`); with ``exact``
+    (``exact_rescore``) by the page masses it holds: the unstable rows over the budget among its candidates, the
+    stable rows' working sets (with standby pages)."""
     rows, group, head_dim = inputs.query.shape
     batch = inputs.num_tokens.shape[0]
     num_unstable, num_stable = inputs.unstable_heads.numel(), inputs.stable_heads.numel()
@@ -379,19 +467,23 @@ def list_pages(inputs: TableInputs, scores: torch.Tensor, working_scores: torch.
     slots, lens = table_out if table_out is not None else (unused, unused)
     working = inputs.selected.shape[1] if num_stable else inputs.pages_per_head - 1  # working-set slots per row
     block_working = triton.next_power_of_2(max(working, 1))
+    exact_args = ((exact.candidate_slots, exact.candidate_lens, exact.unstable_mass, exact.stable_mass)
+                  if exact is not None else (unused,) * 4)
     _decode_table_kernel[(batch * (num_unstable + num_stable),)](
         scores, inputs.table if num_unstable else unused, inputs.selected if num_stable else unused,
         inputs.selected_scores if num_stable else unused, working_scores, inputs.query, inputs.kmin, inputs.kmax,
         inputs.num_tokens, inputs.unstable_heads if num_unstable else unused,
         inputs.stable_heads if num_stable else unused, slots, lens, flat if flat is not None else unused,
-        indptr if indptr is not None else unused, batch * num_unstable, max(num_unstable, 1), max(num_stable, 1),
+        indptr if indptr is not None else unused, *exact_args,
+        batch * num_unstable, max(num_unstable, 1), max(num_stable, 1),
         rows // batch, inputs.table.shape[2] if num_unstable else 0, inputs.stable_base, scores.shape[1],
         inputs.kmin.shape[2], *spread_weights(inputs.spread_weight),
         K=inputs.pages_per_head, SLOTS=working, PAGE_SIZE=inputs.page_size,
         BLOCK_K=triton.next_power_of_2(inputs.pages_per_head), BLOCK_W=block_working, BLOCK_S=block_scores,
         CHUNK_W=min(32, block_working), GROUP=group, HEAD_DIM=head_dim, REDUCE_SUM=inputs.group_reduce == "sum",
         SPREAD_WEIGHTED=inputs.spread_weight != 1.0, WRITE_TABLE=table_out is not None, WRITE_FLAT=flat is not None,
-        WORKING_SCORED=working_scored, num_warps=selection_warps(block_scores),
+        EXACT=exact is not None, BLOCK_C=triton.next_power_of_2(2 * inputs.pages_per_head),
+        num_warps=selection_warps(block_scores),
     )
 
 
