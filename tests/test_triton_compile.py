@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
 backends = pytest.importorskip("triton.backends.compiler")
 
-from flexicache.backends import triton_rerank, triton_select, triton_transfer
+from flexicache.backends import triton_exact, triton_rerank, triton_select, triton_transfer
 
 BF16_POINTERS = ("query_ptr", "kmin_ptr", "kmax_ptr", "keys_ptr", "values_ptr", "pool_k_ptr", "pool_v_ptr",
                  "src_k_ptr", "src_v_ptr", "dst_k_ptr", "dst_v_ptr", "host_k_ptr", "host_v_ptr")
@@ -49,14 +49,30 @@ def test_score_pages_kernel_compiles(reduce_sum: bool, stable_rerank: bool) -> N
 
 @pytest.mark.parametrize("write_table, write_flat", [(False, True), (True, False)])
 @pytest.mark.parametrize("slots", [63, 143])  # K - 1 = 63 working-set slots, or 80 standby pages more
-def test_decode_table_kernel_compiles(write_table: bool, write_flat: bool, slots: int) -> None:
+@pytest.mark.parametrize("exact", [False, True])  # exact_rescore: selection by the page masses
+def test_decode_table_kernel_compiles(write_table: bool, write_flat: bool, slots: int, exact: bool) -> None:
     flat = {"flat_ptr": "*i32", "indptr_ptr": "*i32"} if write_flat else {}
     compile_for_hopper(triton_select._decode_table_kernel,
                        dict(K=64, SLOTS=slots, PAGE_SIZE=16, BLOCK_K=64, BLOCK_W=triton.next_power_of_2(slots),
                             BLOCK_S=4096, CHUNK_W=32, GROUP=4, HEAD_DIM=128, REDUCE_SUM=False, SPREAD_WEIGHTED=True,
-                            WRITE_TABLE=write_table, WRITE_FLAT=write_flat),
+                            WRITE_TABLE=write_table, WRITE_FLAT=write_flat, EXACT=exact, BLOCK_C=128),
                        {"scores_ptr": "*fp32", "selected_scores_ptr": "*fp32", "working_scores_ptr": "*fp32",
-                        "query_ptr": "*fp32", "weight_high": "fp32", "weight_low": "fp32", **flat})
+                        "query_ptr": "*fp32", "weight_high": "fp32", "weight_low": "fp32",
+                        "unstable_mass_ptr": "*fp32", "stable_mass_ptr": "*fp32", **flat})
+
+
+def test_exact_candidates_kernel_compiles() -> None:
+    compile_for_hopper(triton_exact._candidates_kernel, dict(K=128, PAGE_SIZE=8, BLOCK_C=256, BLOCK_S=8192),
+                       {"scores_ptr": "*fp32"})
+
+
+@pytest.mark.parametrize("stable, count", [(False, 256), (True, 159)])
+@pytest.mark.parametrize("page_size", [8, 16])
+def test_page_mass_kernel_compiles(stable: bool, count: int, page_size: int) -> None:
+    compile_for_hopper(triton_exact._page_mass_kernel,
+                       dict(COUNT=count, PAGE_SIZE=page_size, GROUP=4, HEAD_DIM=128, BLOCK_W=64 // page_size,
+                            STABLE=stable),
+                       {"mass_ptr": "*fp32", "log2_scale": "fp32"})
 
 
 def test_append_token_kernel_compiles() -> None:

@@ -248,18 +248,18 @@ def _decode_table_kernel(
             _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, k_offsets, every_slot, every_length,
                        listed, K, WRITE_TABLE, WRITE_FLAT)
         elif EXACT:  # the K of most attention mass among the candidates (ascending pages: sink first, tail last)
-            c = tl.arange(0, BLOCK_C)
+            c = tl.arange(0, BLOCK_C)  # names below differ from the other branches': Triton types them per branch
             candidate = index.to(tl.int64) * 2 * K + c
-            length = tl.load(candidate_lens_ptr + candidate, mask=c < 2 * K, other=0)
-            listed = length > 0
-            last = tl.sum(listed.to(tl.int32), axis=0) - 1
-            score = _mass_scores(unstable_mass_ptr + index.to(tl.int64) * GROUP * 2 * K, 2 * K, GROUP, BLOCK_C)
-            score = tl.where((c == 0) | (c == last), float("inf"), score)
-            chosen = _top_keys(_order_key(score).to(tl.int64), listed, K)
-            position = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-            chosen_slot = tl.load(candidate_slots_ptr + candidate, mask=chosen, other=-1)
-            _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, position, chosen_slot, length, chosen,
-                       K, WRITE_TABLE, WRITE_FLAT)
+            candidate_length = tl.load(candidate_lens_ptr + candidate, mask=c < 2 * K, other=0)
+            is_candidate = candidate_length > 0
+            last = tl.sum(is_candidate.to(tl.int32), axis=0) - 1
+            mass_score = _mass_scores(unstable_mass_ptr + index.to(tl.int64) * GROUP * 2 * K, 2 * K, GROUP, BLOCK_C)
+            mass_score = tl.where((c == 0) | (c == last), float("inf"), mass_score)
+            picked = _top_keys(_order_key(mass_score).to(tl.int64), is_candidate, K)
+            picked_slot = tl.load(candidate_slots_ptr + candidate, mask=picked, other=-1)
+            picked_position = tl.cumsum(picked.to(tl.int32), axis=0) - 1
+            _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, picked_position, picked_slot,
+                       candidate_length, picked, K, WRITE_TABLE, WRITE_FLAT)
         else:
             page = tl.arange(0, BLOCK_S)
             valid = page < num_pages
