@@ -304,3 +304,25 @@ def test_an_unpinned_cache_is_checked_against_the_systems_memory(monkeypatch: py
         generate(model, cache)
     monkeypatch.setattr(host_limits, "read_meminfo", dict)  # nothing to read: no bound
     assert generate(model, cache).shape == (2, 47)
+
+
+def test_what_a_reused_block_held_before_changes_nothing(monkeypatch):
+    """A pooled block comes back with its previous owner's bytes (NaN here, the worst of them): a generation over
+    such a host tier equals one over a zeroed tier. (The prefill copies a request's partial tail page from the tier
+    to the device, its unwritten tokens included; attention must not read past a page's length.)"""
+    config = tiny_config("llama", group=2, num_kv_heads=2, num_layers=2)
+    model = tiny_model(config, seed=1)
+    ids, mask = left_pad([random_prompt(150, seed=3), random_prompt(97, seed=4)])
+    zeroed = host_tier.HostTier._buffers
+
+    def stale(self, shape, dtype):
+        keys, values = zeroed(self, shape, dtype)
+        return keys.fill_(float("nan")), values.fill_(float("nan"))
+
+    runs = []
+    for buffers in (zeroed, stale):
+        monkeypatch.setattr(host_tier.HostTier, "_buffers", buffers)
+        cache = FlexiCache.from_model(model, profile=mixed_profile(config), token_budget=32, page_size=8)
+        runs.append(greedy(model, ids, cache, mask, 12, logits=True))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))

@@ -21,8 +21,9 @@ class HostTier:
     or from the device casts).
 
     ``pin_memory``: page-locked, borrowed from the process's pinned host pool (:mod:`flexicache.host_pool`, for CUDA
-    copies and zero-copy kernels) and given back as soon as nothing views it; else ordinary memory. Pages beyond those
-    written are unspecified (a pooled block keeps what its previous owner wrote): nothing reads them.
+    copies and zero-copy kernels) and given back as soon as nothing views it; else ordinary memory. Tokens beyond those
+    written are unspecified (a pooled block keeps what its previous owner wrote, NaN included): a partial tail page
+    is copied to the device whole, and every reader stops at a page's length.
     """
 
     def __init__(self, batch_size: int, num_heads: int, page_size: int, head_dim: int, dtype: torch.dtype,

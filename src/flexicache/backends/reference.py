@@ -33,4 +33,7 @@ class ReferenceBackend:
         logits = torch.bmm(query.to(compute_dtype), keys.transpose(1, 2)) * scale  # [R, G, P*ps]
         logits = logits.masked_fill(~valid, float("-inf"))
         weights = torch.softmax(logits, dim=-1)
+        # Slots beyond a page's length hold whatever the pool or a reused host block held (NaN included): a zero
+        # weight does not cancel a NaN value.
+        values = values.masked_fill(~valid.view(rows, -1, 1), 0)
         return torch.bmm(weights, values).to(query.dtype)
