@@ -70,6 +70,10 @@ for model in ${models[@]}; do
                 --profile online --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-exact"
+            python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --suite ppl --page-size 8 \
+                --profile online --budget 256 --method budget=256,exact_rescore=true,standby_pages=32 \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/qwen2.5-coder-ppl-2k-exact-standby"
             python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --suite lcc --page-size 8 \
                 --budget 320 160 --method budget=320,exact_rescore=true budget=160,exact_rescore=true \
                 --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24 \
@@ -130,6 +134,14 @@ for model in ${models[@]}; do
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --method budget=192,exact_rescore=true --out "$root/levers/ppl-1.5k-replicate-exact"
+            echo "+ levers: ppl, the exact second stage with more standby pages (the stable heads choose among more)"
+            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
+                --method budget=192,exact_rescore=true,standby_pages=12 budget=192,exact_rescore=true,standby_pages=24 \
+                budget=192,exact_rescore=true,rerank_interval=8 --out "$root/levers/ppl-1.5k-exact-standby"
+            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
+                --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
+                --method budget=192,exact_rescore=true,standby_pages=24 --out "$root/levers/ppl-1.5k-replicate-exact-standby"
             echo "+ levers: passkey and needle at 4k, the exact second stage beside the defaults"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite synthetic \
                 --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
