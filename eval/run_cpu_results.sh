@@ -106,6 +106,10 @@ for model in ${models[@]}; do
                 --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/gemma3-ppl-2k-exact"
+            python -m flexicache.cli eval --model gemma3 --device cpu --no-progress --suite ppl --page-size 8 \
+                --budget 256 128 --method budget=256,exact_rescore=true,standby_pages=32 \
+                budget=128,exact_rescore=true,standby_pages=16 --data "$stdlib/typing.py" "$stdlib/argparse.py" \
+                --context-length 2048 --prefill 1536 --out "$root/levers/gemma3-ppl-2k-exact-standby"
             ;;
         levers)  # SmolLM2, one budget: each option of the page selection (and the float8 host tier) on its own and
             # combined; perplexity also with the oracle among the top 2K pages by the box scores (the ceiling of an
@@ -142,6 +146,9 @@ for model in ${models[@]}; do
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --method budget=192,exact_rescore=true,standby_pages=24 --out "$root/levers/ppl-1.5k-replicate-exact-standby"
+            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 96 \
+                --method budget=96,exact_rescore=true,standby_pages=12 --out "$root/levers/ppl-1.5k-16-exact-standby"
             echo "+ levers: passkey and needle at 4k, the exact second stage beside the defaults"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite synthetic \
                 --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
