@@ -71,9 +71,9 @@ for model in ${models[@]}; do
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-exact"
             python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --suite ppl --page-size 8 \
-                --profile online --budget 256 --method budget=256,exact_rescore=true,standby_pages=32 \
-                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
-                --out "$root/levers/qwen2.5-coder-ppl-2k-exact-standby"
+                --profile online --budget 256 128 --method budget=256,exact_rescore=true,standby_pages=32 \
+                budget=128,exact_rescore=true,standby_pages=16 --data "$stdlib/typing.py" "$stdlib/argparse.py" \
+                --context-length 2048 --prefill 1536 --out "$root/levers/qwen2.5-coder-ppl-2k-exact-standby"
             python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --suite lcc --page-size 8 \
                 --budget 320 160 --method budget=320,exact_rescore=true budget=160,exact_rescore=true \
                 --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24 \
