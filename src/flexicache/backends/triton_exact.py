@@ -3,8 +3,8 @@ decode table (CUDA-graph capturable, like :mod:`flexicache.backends.triton_selec
 
 Two launches per layer and step between the table's box scoring and its page list:
 
-- ``_candidates_kernel`` (grid: unstable row over the budget): list the row's top ``2K`` pages by box score (sink
-  and tail among them: their scores are ``+inf``) in ascending page order, with their pool slots and token counts;
+- ``_candidates_kernel`` (grid: unstable row): list the pool slots and token counts of the row's top ``2K`` pages by
+  box score (sink and tail among them: their scores are ``+inf``) in ascending page order (none within the budget);
 - ``_page_mass_kernel`` (grid: row x block of listed pages): each query head's log2 attention mass of every listed
   page (``log2 sum_t 2^(q . k_t * scale * log2(e))``) from the pool's keys: an unstable row's candidates, a stable
   row's working set (``K - 1 + C`` slots, with standby pages).
@@ -69,12 +69,11 @@ def page_masses(inputs: TableInputs, exact: ExactInputs, scores: torch.Tensor) -
     if num_unstable:
         block_scores = triton.next_power_of_2(max(inputs.kmin.shape[2], 16))
         _candidates_kernel[(batch * num_unstable,)](
-            scores, inputs.table, inputs.num_tokens, scratch.candidates, scratch.candidate_slots,
-            scratch.candidate_lens, num_unstable, inputs.table.shape[2], scores.shape[1], K=k,
+            scores, inputs.table, inputs.num_tokens, scratch.candidate_slots, scratch.candidate_lens, num_unstable, inputs.table.shape[2], scores.shape[1], K=k,
             PAGE_SIZE=inputs.page_size, BLOCK_C=triton.next_power_of_2(2 * k), BLOCK_S=block_scores,
             num_warps=max(4, min(16, block_scores // 256)),
         )
-        _page_mass(inputs, exact, scratch.candidates, scratch.unstable_mass, inputs.unstable_heads, num_heads,
+        _page_mass(inputs, exact, scratch.candidate_slots, scratch.unstable_mass, inputs.unstable_heads, num_heads,
                    log2_scale, stable=False)
     if inputs.stable_heads.numel() and inputs.selected.shape[1] > k - 1:  # standby pages: ranked at every step
         _page_mass(inputs, exact, inputs.selected, scratch.stable_mass, inputs.stable_heads, num_heads, log2_scale,
@@ -83,7 +82,9 @@ def page_masses(inputs: TableInputs, exact: ExactInputs, scores: torch.Tensor) -
 
 def _page_mass(inputs: TableInputs, exact: ExactInputs, pages: torch.Tensor, mass: torch.Tensor,
                heads: torch.Tensor, num_heads: int, log2_scale: float, stable: bool) -> None:
-    """Launch ``_page_mass_kernel`` over the rows of ``heads`` and their listed ``pages [rows, W]``."""
+    """Launch ``_page_mass_kernel`` over the rows of ``heads`` and their ``W`` listed pages: the stable rows' working
+    sets (``pages``: ``selected [rows, W]``), or the unstable rows' candidates (``pages``: their slots, read for
+    ``W`` only)."""
     group, head_dim = exact.query.shape[1:]
     count, block_pages = pages.shape[1], max(1, MASS_TOKENS // inputs.page_size)
     _page_mass_kernel[(inputs.num_tokens.shape[0] * heads.numel(), triton.cdiv(count, block_pages))](
@@ -94,7 +95,7 @@ def _page_mass(inputs: TableInputs, exact: ExactInputs, pages: torch.Tensor, mas
 
 
 @triton.jit(do_not_specialize=["num_unstable", "table_capacity", "scores_stride"])
-def _candidates_kernel(scores_ptr, table_ptr, num_tokens_ptr, pages_ptr, slots_ptr, lens_ptr, num_unstable,
+def _candidates_kernel(scores_ptr, table_ptr, num_tokens_ptr, slots_ptr, lens_ptr, num_unstable,
                        table_capacity, scores_stride, K: tl.constexpr, PAGE_SIZE: tl.constexpr,
                        BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     index = tl.program_id(0)  # unstable row b * hu + i
@@ -103,7 +104,6 @@ def _candidates_kernel(scores_ptr, table_ptr, num_tokens_ptr, pages_ptr, slots_p
     last_len = n - (num_pages - 1) * PAGE_SIZE
     c = tl.arange(0, BLOCK_C)
     out = index.to(tl.int64) * 2 * K + c
-    tl.store(pages_ptr + out, tl.full([BLOCK_C], -1, tl.int64), mask=c < 2 * K)
     tl.store(slots_ptr + out, tl.full([BLOCK_C], -1, tl.int64), mask=c < 2 * K)
     tl.store(lens_ptr + out, tl.zeros([BLOCK_C], tl.int64), mask=c < 2 * K)
     tl.debug_barrier()
@@ -116,7 +116,6 @@ def _candidates_kernel(scores_ptr, table_ptr, num_tokens_ptr, pages_ptr, slots_p
                                      other=0.0)).to(tl.int64)
             chosen = _top_keys(key, valid, 2 * K)
         position = index.to(tl.int64) * 2 * K + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-        tl.store(pages_ptr + position, page.to(tl.int64), mask=chosen)
         slot = tl.load(table_ptr + index.to(tl.int64) * table_capacity + page, mask=chosen, other=-1)
         tl.store(slots_ptr + position, slot.to(tl.int64), mask=chosen)
         length = tl.where(page == num_pages - 1, last_len, PAGE_SIZE)

@@ -333,19 +333,18 @@ class TableInputs:
 
 @dataclass
 class ExactScratch:
-    """A layer's scratch for the exact rescoring (kept by a captured CUDA graph): ``candidates`` /
-    ``candidate_slots`` / ``candidate_lens``: ``[B * hu, 2K]`` int64; ``unstable_mass``: ``[B * hu, G, 2K]`` and
+    """A layer's scratch for the exact rescoring (kept by a captured CUDA graph): ``candidate_slots`` /
+    ``candidate_lens``: ``[B * hu, 2K]`` int64, the unstable rows' candidate pages in ascending page order; ``unstable_mass``: ``[B * hu, G, 2K]`` and
     ``stable_mass``: ``[B * hs, G, K - 1 + C]`` fp32 (one row where a class has no rows or, for the stable rows, no
     standby pages)."""
 
-    candidates: torch.Tensor
     candidate_slots: torch.Tensor
     candidate_lens: torch.Tensor
     unstable_mass: torch.Tensor
     stable_mass: torch.Tensor
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.candidates, self.candidate_slots, self.candidate_lens, self.unstable_mass, self.stable_mass)
+        return (self.candidate_slots, self.candidate_lens, self.unstable_mass, self.stable_mass)
 
     def fits(self, inputs: TableInputs, group: int) -> bool:
         """Whether this scratch serves a table of ``inputs`` with ``group`` query heads per row."""
@@ -357,8 +356,8 @@ def exact_scratch(inputs: TableInputs, group: int) -> ExactScratch:
     """Fresh :class:`ExactScratch` for a table of ``inputs`` with ``group`` query heads per row."""
     unstable, stable = _scratch_shapes(inputs, group)
     device = inputs.num_tokens.device
-    index = torch.full((unstable[0], unstable[2]), -1, dtype=torch.long, device=device)
-    return ExactScratch(index, index.clone(), torch.zeros_like(index),
+    slots = torch.full((unstable[0], unstable[2]), -1, dtype=torch.long, device=device)
+    return ExactScratch(slots, torch.zeros_like(slots),
                         torch.empty(unstable, dtype=torch.float32, device=device),
                         torch.empty(stable, dtype=torch.float32, device=device))
 
