@@ -154,6 +154,10 @@ for model in ${models[@]}; do
                 --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
                 --page-size 8 --budget 512 256 --method budget=512,exact_rescore=true budget=256,exact_rescore=true \
                 --out "$root/levers/synthetic-4k-exact"
+            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite synthetic \
+                --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
+                --page-size 8 --budget 512 --method budget=512,exact_rescore=true,standby_pages=64 \
+                --out "$root/levers/synthetic-4k-exact-standby"
             echo "+ levers: passkey and needle at 7.7k, budget 1024 (1/7.5), the exact second stage beside the defaults"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --suite synthetic \
                 --tasks passkey --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 --budget 1024 \
