@@ -69,7 +69,8 @@ def page_masses(inputs: TableInputs, exact: ExactInputs, scores: torch.Tensor) -
     if num_unstable:
         block_scores = triton.next_power_of_2(max(inputs.kmin.shape[2], 16))
         _candidates_kernel[(batch * num_unstable,)](
-            scores, inputs.table, inputs.num_tokens, scratch.candidate_slots, scratch.candidate_lens, num_unstable, inputs.table.shape[2], scores.shape[1], K=k,
+            scores, inputs.table, inputs.num_tokens, scratch.candidate_slots, scratch.candidate_lens, num_unstable,
+            inputs.table.shape[2], scores.shape[1], K=k,
             PAGE_SIZE=inputs.page_size, BLOCK_C=triton.next_power_of_2(2 * k), BLOCK_S=block_scores,
             num_warps=max(4, min(16, block_scores // 256)),
         )
