@@ -335,8 +335,8 @@ class TableInputs:
 class ExactScratch:
     """A layer's scratch for the exact rescoring (kept by a captured CUDA graph): ``candidate_slots`` /
     ``candidate_lens``: ``[B * hu, 2K]`` int64, the unstable rows' candidate pages in ascending page order;
-    ``unstable_mass``: ``[B * hu, G, 2K]`` and ``stable_mass``: ``[B * hs, G, K - 1 + C]`` fp32 (one row where a class has no rows or, for the stable rows, no
-    standby pages)."""
+    ``unstable_mass``: ``[B * hu, G, 2K]`` and ``stable_mass``: ``[B * hs, G, K - 1 + C]`` fp32 (one row where a
+    class has no rows or, for the stable rows, no standby pages)."""
 
     candidate_slots: torch.Tensor
     candidate_lens: torch.Tensor
