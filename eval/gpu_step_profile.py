@@ -8,7 +8,7 @@ time, the times of the per-step bookkeeping of the cache's :class:`~flexicache.s
 replay and ``finish_replay`` after it) and of the replayed graph alone on the GPU; then a torch-profiler table of the
 kernels (``cuda_time_total``) and a cProfile of the host side.
 
-Usage: ``python eval/gpu_step_profile.py [--layers 16] [--context 32768] [--batch 8]``
+Usage: ``python eval/gpu_step_profile.py [--layers 16] [--context 32768] [--batch 8] [--settings exact_rescore=true]``
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flexicache import attention
 from flexicache.benchmarks.attention import Module, Shape, prefilled_cache
+from flexicache.setting_specs import parse_settings
 from flexicache.step_graph import run_graphed_step
 
 BOOKKEEPING = ("begin", "prepare_replay", "finish_replay")  # StepGraphStore methods timed per call
@@ -35,10 +36,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--settings", default="", help="FlexiCache keyword arguments, e.g. exact_rescore=true")
     args = parser.parse_args()
     shape, batch = Shape(num_layers=args.layers), args.batch
     torch.manual_seed(0)
-    cache, query = prefilled_cache(shape, batch, args.context)
+    settings = parse_settings(args.settings, "--settings", "exact_rescore=true")
+    cache, query = prefilled_cache(shape, batch, args.context, **settings)
     modules = [Module(index, shape) for index in range(args.layers)]
     token = torch.randn(batch, shape.num_kv_heads, 1, shape.head_dim, dtype=torch.bfloat16, device="cuda")
 
@@ -82,7 +85,7 @@ def main() -> None:
     for name in BOOKKEEPING:
         delattr(store, name)
     median = statistics.median
-    print(f"layers {args.layers}: step wall ms p50 {median(wall_ms):.3f}, host issue p50 {median(host_ms):.3f}")
+    print(f"layers {args.layers}, settings {settings or 'defaults'}: step wall ms p50 {median(wall_ms):.3f}, host issue p50 {median(host_ms):.3f}")
     for name in BOOKKEEPING:  # prepare_replay precedes the replay, finish_replay follows it (overlapping the GPU)
         if name in bookkeeping_ms:
             times = bookkeeping_ms[name]

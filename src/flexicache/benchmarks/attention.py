@@ -76,12 +76,14 @@ def random_profile(shape: Shape, fraction: float, seed: int = 0) -> HeadProfile:
     return HeadProfile(shape.num_layers, shape.num_kv_heads, shape.head_dim, unstable)
 
 
-def prefilled_cache(shape: Shape, batch: int, context: int, budget: int = 1024, unstable_fraction: float = 0.25
-                    ) -> tuple[FlexiCache, torch.Tensor]:
-    """A FlexiCache over ``shape``'s attention layers (random profile) holding ``context`` random bf16 tokens x
-    ``batch`` on CUDA, prefilled layer by layer (one layer's KV on the device at a time), and the query
-    ``[B, Hq, 1, D]`` that seeded the stable heads' selection (for the GPU profiling scripts under ``eval/``)."""
-    cache = FlexiCache(shape.config(), profile=random_profile(shape, unstable_fraction), token_budget=budget)
+def prefilled_cache(shape: Shape, batch: int, context: int, budget: int = 1024, unstable_fraction: float = 0.25,
+                    **settings: Any) -> tuple[FlexiCache, torch.Tensor]:
+    """A FlexiCache over ``shape``'s attention layers (random profile; ``settings``: further FlexiCache keyword
+    arguments) holding ``context`` random bf16 tokens x ``batch`` on CUDA, prefilled layer by layer (one layer's KV
+    on the device at a time), and the query ``[B, Hq, 1, D]`` that seeded the stable heads' selection (for the GPU
+    profiling scripts under ``eval/``)."""
+    cache = FlexiCache(shape.config(), profile=random_profile(shape, unstable_fraction), token_budget=budget,
+                       **settings)
     query = torch.randn(batch, shape.num_kv_heads * shape.group, 1, shape.head_dim, dtype=torch.bfloat16,
                         device="cuda")
     for index, layer in enumerate(cache.layers):
