@@ -27,13 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_triton_interpreted import FlashInferStandIn
 
 from flexicache import FlexiCache, HeadProfile, backends, decode_graph, decode_paths, offload
-from flexicache.backends import triton_rerank, triton_select, triton_transfer
+from flexicache.backends import triton_exact, triton_rerank, triton_select, triton_transfer
 
 
 def graph_path_on_cpu() -> None:
     """Route the cache through the CUDA graph path on CPU tensors, every device launch a no-op."""
     torch.cuda.synchronize = lambda *args, **kwargs: None
     for module, name in ((triton_select, "append_token"), (triton_select, "decode_table"),
+                         (triton_exact, "exact_decode_table"),
                          (triton_transfer, "copy_pages"), (triton_transfer, "retire_tails"),
                          (triton_transfer, "write_tokens"), (triton_transfer, "open_pages")):
         setattr(module, name, lambda *args, **kwargs: None)

@@ -85,7 +85,8 @@ def main() -> None:
     for name in BOOKKEEPING:
         delattr(store, name)
     median = statistics.median
-    print(f"layers {args.layers}, settings {settings or 'defaults'}: step wall ms p50 {median(wall_ms):.3f}, host issue p50 {median(host_ms):.3f}")
+    print(f"layers {args.layers}, settings {settings or 'defaults'}: step wall ms p50 {median(wall_ms):.3f}, "
+          f"host issue p50 {median(host_ms):.3f}")
     for name in BOOKKEEPING:  # prepare_replay precedes the replay, finish_replay follows it (overlapping the GPU)
         if name in bookkeeping_ms:
             times = bookkeeping_ms[name]

@@ -69,14 +69,15 @@ def command_of(config: dict) -> str:
     """The ``flexicache eval`` command a folder's config.json records (the options that differ from defaults)."""
     parts = ["flexicache eval", f"--suite {config['suite']}", f"--model {config['model']}"]
     for key in ("tasks", "lengths", "data", "limit", "context_length", "prefill", "max_new_tokens", "budget",
-                "method", "profile", "page_size", "rerank_interval", "standby_pages"):
+                "method", "profile", "page_size", "rerank_interval", "standby_pages", "exact_rescore"):
         value = config.get(key)
-        if value is None or value is False or value == [] or value == getattr(FlexiCacheConfig, key, None):
+        if value is None or value == [] or value == getattr(FlexiCacheConfig, key, None):
             continue
         if key == "prefill" and config["suite"] != "ppl":
             continue
         values = value if isinstance(value, list) else [value]
-        values = [Path(str(v)).name if key == "data" else str(v) for v in values]
+        values = [Path(str(v)).name if key == "data" else str(v).lower() if isinstance(v, bool) else str(v)
+                  for v in values]
         parts.append(f"--{key.replace('_', '-')} {' '.join(values)}")
     if config.get("oracle"):
         parts.append("--oracle")

@@ -446,21 +446,37 @@ def expected_decode(driver: Driver, cache: FlexiCache, layer_idx: int, reranked:
                 axes = layer.storage.basis.matrix[b, head].double()
             kmin, kmax = page_minmax(keys[head].double() @ axes, page_size)
             scores = quest(q @ axes, kmin, kmax, reduce, settings.spread_weight)
+
+            def exact_mass(pages: list[int]) -> torch.Tensor:
+                """``[len(pages)]`` each page's share of the attention over ``pages``, summed over the group."""
+                logits = [q @ keys[head, p * page_size:(p + 1) * page_size].double().T * head_dim ** -0.5
+                          for p in pages]
+                page_mass = torch.stack([lg.logsumexp(-1) for lg in logits], dim=1)  # [G, W]
+                return (page_mass - page_mass.logsumexp(-1, keepdim=True)).exp().sum(0)
+
             if head in layer.unstable_heads:
                 pages = reference_topk(scores, num_pages, k, force_last=True)
+                if settings.exact_rescore and num_pages > k:  # the K of most mass among the top 2K by box score
+                    candidates = reference_topk(scores, num_pages, 2 * k, force_last=True)
+                    chosen = reference_topk(exact_mass(candidates), len(candidates), k, force_last=True)
+                    pages = [candidates[column] for column in chosen]
             else:
                 offloaded = layer.storage.offloaded
                 row = b * len(layer.stable_heads) + layer.stable_heads.index(head)
                 held = offloaded.selected[row].tolist()
                 working = sorted(p for p in held if p >= 0)
+                assert len(set(working)) == len(working), f"layer {layer_idx} request {b}: a page held twice"
                 if reranked:
                     assert working == reference_topk(scores[:full_pages], full_pages, len(held), force_last=False), (
                         f"layer {layer_idx} request {b} stable head {head}: rerank is not the Quest top-K")
                 assert len(working) == min(len(held), full_pages), "stable head holds fewer pages than it may"
                 # With standby pages: the K - 1 best held slots for this step's query (sink first, ties to the lower
                 # slot); without, every held page.
+                step_scores = dict(enumerate(scores.tolist()))  # by page; exact_rescore: the held pages' masses
+                if settings.exact_rescore and working:
+                    step_scores = dict(zip(working, exact_mass(working).tolist()))
                 ranked = sorted((slot for slot, p in enumerate(held) if p >= 0),
-                                key=lambda slot: (-(math.inf if held[slot] == 0 else float(scores[held[slot]])), slot))
+                                key=lambda slot: (-(math.inf if held[slot] == 0 else step_scores[held[slot]]), slot))
                 pages = sorted(held[slot] for slot in ranked[:k - 1]) + [num_pages - 1]
             if num_pages <= k:
                 assert pages == list(range(num_pages)), "budget covers the context: every page attended"

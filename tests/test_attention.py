@@ -2,8 +2,10 @@
 
 A FlexiCache is driven layer by layer with random q/k/v. After every decode step the expected output of every
 (request, KV head) is rebuilt from scratch: the tokens come from a DynamicCache fed the same keys/values, the
-pages of an unstable head from a Quest top-K written here, the pages of a stable head from its ``selected`` working
-set (all of it, or with standby pages its K - 1 best for the step's query) plus the tail (and, at the steps where a
+pages of an unstable head from a Quest top-K written here (with ``exact_rescore``, the default: the K of most
+attention mass among the Quest top-2K), the pages of a stable head from its ``selected`` working set (all of it, or
+with standby pages its K - 1 best for the step's query: by attention mass, or by box score without
+``exact_rescore``) plus the tail (and, at the steps where a
 rerank is due, ``selected`` itself must be the Quest top-(K-1+C) of the full pages). The expected output is a plain
 softmax over exactly those tokens.
 """
@@ -29,14 +31,15 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "box"])
 @pytest.mark.parametrize("principal", [False, True], ids=["model-axes", "principal-axes"])
 @pytest.mark.parametrize("page_size,budget,group,lengths,interval,reduce,unstable,standby", CASES)
 def test_sparse_decode_equals_dense_over_selected_pages(page_size, budget, group, lengths, interval, reduce,
-                                                        unstable, standby, principal):
+                                                        unstable, standby, principal, exact):
     config = tiny_config(group=group, num_kv_heads=2, num_layers=3, head_dim=8)
     cache = checked(FlexiCache(config, profile=HeadProfile(3, 2, 8, unstable), token_budget=budget,
                                page_size=page_size, rerank_interval=interval, group_reduce=reduce,
-                               principal_bounds=principal, standby_pages=standby))
+                               principal_bounds=principal, standby_pages=standby, exact_rescore=exact))
     driver = Driver(config, cache, seed=sum(lengths))
     driver.prefill(lengths)
     since = [layer_idx % interval for layer_idx in range(3)]  # reranks are staggered by layer

@@ -312,6 +312,20 @@ def test_settings_validation():
     add_arguments(parser)
     settings = settings_from(parser.parse_args(["--device", "cpu", "--steps", "3", "--mix-input", "10", "20"]))
     assert (settings.steps, settings.mix_input, settings.layers) == (3, [10, 20], CPU["layers"])
+    assert settings.exact_rescore is True  # FlexiCache's default
+    box = settings_from(parser.parse_args(["--device", "cpu", "--exact-rescore", "false"]))
+    assert System("flexicache-64").make_cache(tiny_bench_config(), tokens=96, settings=box).settings.exact_rescore is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--exact-rescore", "maybe"])
+
+
+def test_the_setup_line_names_the_page_selection():
+    from flexicache.benchmarks.report import setup_lines
+
+    run = json.loads((ROOT / "eval/results/gpu/decode/bench.json").read_text())
+    assert "keys' attention mass" in setup_lines(run)[2]  # a run with exact_rescore recorded
+    del run["settings"]["exact_rescore"]  # a run from before the setting: box scores
+    assert "chosen by their box scores" in setup_lines(run)[2]
 
 
 def test_measurement_order_puts_targets_first():

@@ -606,7 +606,21 @@ def test_cli_flexicache_sparse_budget(model_dir, tmp_path):
     assert result["ratio"]["flexicache@64"] != 1.0  # 4 of 25 pages: a different model, a different perplexity
     assert json.loads((tmp_path / "methods.json").read_text())["flexicache@64,page_size=16"]["page_size"] == 16
     assert result["ratio"]["flexicache@64,page_size=16"] != result["ratio"]["flexicache@64"]
-    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float32"  # auto on the CPU
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["dtype"] == "float32" and config["exact_rescore"] is True  # auto on the CPU; the library's default
+    assert json.loads((tmp_path / "methods.json").read_text())["flexicache@64"]["exact_rescore"] is True
+    with pytest.raises(SystemExit, match="exact_rescore"):  # rows that leave it out mean another selection
+        eval_main(eval_args(model_dir, tmp_path, "--suite", "ppl", "--data", str(perplexity.stdlib_file("argparse.py")),
+                            "--context-length", "400", "--prefill", "100", "--budget", "64",
+                            "--exact-rescore", "false"))
+    box = tmp_path / "box"
+    assert eval_main(eval_args(model_dir, box, "--suite", "ppl", "--data", str(perplexity.stdlib_file("argparse.py")),
+                               "--context-length", "400", "--prefill", "100", "--budget", "64",
+                               "--exact-rescore", "false", "--method", "budget=64,exact_rescore=true")) == 0
+    rows = json.loads((box / "methods.json").read_text())
+    assert rows["flexicache@64"]["exact_rescore"] is False and rows["flexicache@64,exact_rescore=True"]["exact_rescore"]
+    box_ratios = json.loads((box / "metrics.json").read_text())["tasks"]["ppl"]["ratio"]
+    assert box_ratios["flexicache@64,exact_rescore=True"] == result["ratio"]["flexicache@64"]  # the same cache
     with pytest.raises(SystemExit, match="share a name"):
         eval_main(eval_args(model_dir, tmp_path / "dup", "--suite", "ppl", "--budget", "64", "--method", "budget=64"))
 

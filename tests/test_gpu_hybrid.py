@@ -72,18 +72,22 @@ def test_hybrid_full_budget_on_flashinfer_matches_dynamic_cache() -> None:
     assert kv_bytes_by_device(cache) == {"cuda:0": {key: stats[key] for key in BYTE_KEYS}}
 
 
-def test_hybrid_small_budget_flashinfer_matches_reference_backend() -> None:
+# Random weights attend almost uniformly: the pages' attention masses nearly tie, and the two backends' bf16
+# outputs (which feed the next layers' keys) flip more of exact_rescore's choices than of the box scores'.
+@pytest.mark.parametrize("exact_rescore,tolerance", [(True, 4e-2), (False, 2e-2)], ids=["exact", "box"])
+def test_hybrid_small_budget_flashinfer_matches_reference_backend(exact_rescore: bool, tolerance: float) -> None:
     model = gemma3_model()
     ids = torch.randint(0, 512, (1, 900), device="cuda")
     results, device_bytes = {}, {}
     for backend in ("reference", "flashinfer"):
-        cache = FlexiCache.from_model(model, profile=all_stable(), token_budget=128, backend=backend)
+        cache = FlexiCache.from_model(model, profile=all_stable(), token_budget=128, backend=backend,
+                                      exact_rescore=exact_rescore)
         results[backend] = decode_logits(model, cache, ids, 48)
         stats = cache.stats()
         assert stats["promoted_pages"] > 0 and stats["reranks_stable"] > 0
         assert stats["device_kv_bytes"] < 0.5 * stats["dense_kv_bytes"]
         device_bytes[backend] = stats["device_kv_bytes"]
-    assert relative_error(results["flashinfer"], results["reference"]) <= 2e-2
+    assert relative_error(results["flashinfer"], results["reference"]) <= tolerance
     assert device_bytes["flashinfer"] == device_bytes["reference"]
 
 

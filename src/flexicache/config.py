@@ -50,9 +50,10 @@ class FlexiCacheConfig:
             (:mod:`flexicache.key_basis`; the default): tighter boxes, the same attention; costs a ``[D, D]`` basis
             per row and two small matrix products per layer and step. ``False``: boxes in the model's axes (Quest).
         exact_rescore: choose the pages a head attends to among candidates by their keys' exact attention mass
-            (:func:`~flexicache.selection.exact_page_scores`), not by their boxes: an unstable head's top ``2K``
-            pages by box score, a stable head's ``K - 1 + C`` pages on the device. Reads the candidates' keys at every
-            step (in the fused kernels on CUDA, :mod:`flexicache.backends.triton_exact`: 1.14x the decode step).
+            (:func:`~flexicache.selection.exact_page_scores`), not by their boxes (the default): an unstable head's
+            top ``2K`` pages by box score, a stable head's ``K - 1 + C`` pages on the device. Reads the candidates'
+            keys at every step (in the fused kernels on CUDA, :mod:`flexicache.backends.triton_exact`: 1.07x the
+            decode step of ``False``, BENCHMARKS.md). ``False``: the pages of the best box scores (Quest's way).
         backend: decode kernel: ``"auto"`` (FlashInfer on CUDA when installed, else the torch reference),
             ``"reference"`` or ``"flashinfer"``.
         cuda_graphs: on the CUDA + FlashInfer path, capture each layer's decode step (token append, scoring,
@@ -81,7 +82,7 @@ class FlexiCacheConfig:
     group_reduce: Literal["max", "sum"] = "max"
     spread_weight: float = 0.5
     principal_bounds: bool = True
-    exact_rescore: bool = False
+    exact_rescore: bool = True
     backend: BackendName = "auto"
     cuda_graphs: bool = True
     max_cache_len: int | None = None

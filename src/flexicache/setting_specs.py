@@ -7,6 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 
+def parse_boolean(text: str) -> bool:
+    """``true`` or ``false`` (any case) as a bool, for command-line options; anything else raises ``ValueError``."""
+    if text.lower() not in ("true", "false"):
+        raise ValueError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
+
+
 def parse_value(text: str) -> Any:
     """A setting's value: an int, a float, true/false, none, else the string itself."""
     lowered = text.lower()

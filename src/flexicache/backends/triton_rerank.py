@@ -83,6 +83,9 @@ def _rerank_kernel(scores_ptr, num_full_ptr, selected_ptr, selected_scores_ptr, 
     tl.store(selected_row + columns, tl.where(keep, old, -1), mask=listed)  # every warp has read the old selection
     tl.debug_barrier()
     rank = tl.cumsum(promoted.to(tl.int32), axis=0) - 1
+    # A consistent selection has a free slot for every promoted page; one holding a page twice would not: its extra
+    # promotions are dropped rather than written through an unset free-slot entry.
+    promoted = promoted & (rank < tl.sum(free.to(tl.int32), axis=0))
     target = tl.load(free_slots + rank, mask=promoted, other=0)
     tl.store(selected_row + target, page.to(tl.int64), mask=promoted)
     tl.debug_barrier()

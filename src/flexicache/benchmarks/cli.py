@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from flexicache.setting_specs import parse_boolean
+
 # Settings field -> (type, nargs, help). Defaults come from suite.PRESETS[device].
 OPTIONS: dict[str, tuple[type, str | None, str]] = {
     "models": (str, "+", "model shapes: llama-3.1-8b, mistral-7b, tiny-llama"),
@@ -35,6 +37,8 @@ OPTIONS: dict[str, tuple[type, str | None, str]] = {
     "rerank_interval": (int, None, "stable heads' rerank interval"),
     "page_size": (int, None, "tokens per page"),
     "standby_pages": (str, None, "pages a stable head keeps beyond those it attends to: a number or 'auto'"),
+    "exact_rescore": (parse_boolean, None, ("true: the attended pages chosen by their keys' attention mass among "
+                                            "the box scores' candidates; false: by the box scores")),
     "seed": (int, None, "random seed"),
     "memory_contexts": (int, "+", "memory: context lengths"),
     "memory_systems": (str, "+", "memory: systems (dynamic, dynamic-offload, dense, flexicache-B, quest-B)"),

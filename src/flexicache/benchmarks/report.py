@@ -349,12 +349,15 @@ def setup_lines(results: dict[str, Any]) -> list[str]:
     standby = settings.get("standby_pages", 0)  # runs that do not record it predate standby pages
     standby = {0: "no standby pages", "0": "no standby pages", "auto": "standby pages K // 4"}.get(
         standby, f"{standby} standby pages")
+    # runs that do not record exact_rescore predate it: box scores
+    selection = ("attended pages chosen by their keys' attention mass among the box scores' candidates (exact_rescore)"
+                 if settings.get("exact_rescore", False) else "attended pages chosen by their box scores")
     return [f"{hardware(env)}, {env['cpu_count']} CPU cores, host RAM {env['host_ram_bytes'] / GIB:.0f} GiB; "
             f"{', '.join(software)}.",
             "Models: " + "; ".join(model_text(name, settings) for name in settings["models"]) + ".",
             (f"FlexiCache: {settings['unstable_fraction']:.0%} of each layer's KV heads unstable (chosen at random), "
              f"pages of {settings['page_size']} tokens, stable heads rerank every {settings['rerank_interval']} steps, "
-             f"{standby}, "
+             f"{standby}, {selection}, "
              f"backend {settings['backend']}{graphs}. Warm-up (JIT compile) {results.get('warmup_s', '-')} s, "
              f"excluded from timings; run {results.get('elapsed_s', '-')} s.")]
 

@@ -130,7 +130,7 @@ class System:
             budget = self.budget if self.kind == "quest" else page * math.ceil((tokens + page) / page)
         standby = settings.standby_pages if settings.standby_pages == "auto" else int(settings.standby_pages)
         options = {"page_size": page, "rerank_interval": settings.rerank_interval, "standby_pages": standby,
-                   "backend": settings.backend,
+                   "exact_rescore": settings.exact_rescore, "backend": settings.backend,
                    "cuda_graphs": settings.cuda_graphs != "off", "max_cache_len": tokens, "profile": profile,
                    **system_options(self.name)}  # profile=online: the split estimated from the prompt
         return FlexiCache(config, token_budget=budget, **options)
@@ -156,6 +156,7 @@ class Settings:
     page_size: int = FlexiCacheConfig.page_size
     rerank_interval: int = FlexiCacheConfig.rerank_interval
     standby_pages: int | str = FlexiCacheConfig.standby_pages
+    exact_rescore: bool = FlexiCacheConfig.exact_rescore
     unstable_fraction: float = 0.25
     seed: int = 0
     cases: list[str] = field(default_factory=lambda: list(CASES))

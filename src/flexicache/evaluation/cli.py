@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from flexicache.cli import DTYPE_HELP, DTYPES, resolve_device, resolve_dtype
+from flexicache.setting_specs import parse_boolean
 
 SUITES = ("longbench", "leval", "synthetic", "ppl", "lcc")
 # settings that change what a stored prediction means: resuming with other values is refused
 IDENTITY = ("suite", "model", "gguf_file", "context_length", "decode_tail", "chat", "seed", "page_size",
-            "rerank_interval", "standby_pages", "profile", "prefill", "max_new_tokens", "dtype", "data",
-            "stop_strings")
+            "rerank_interval", "standby_pages", "exact_rescore", "profile", "prefill", "max_new_tokens", "dtype",
+            "data", "stop_strings")
 # suites whose samples depend on the sample count (passkey spreads its needle depths over --limit samples)
 IDENTITY_BY_SUITE = {"synthetic": ("limit",)}
 DEFAULT_SYNTHETIC_SAMPLES = 5
@@ -38,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", nargs="*", default=[], metavar="SPEC",
                         help="more FlexiCache rows, each a comma-separated list of settings, e.g. "
                              "token_budget=256,page_size=8 or budget=512,group_reduce=sum,profile=my.json (settings "
-                             "left out: --page-size, --rerank-interval, --profile); named flexicache@256,page_size=8")
+                             "left out: --page-size, --rerank-interval, --standby-pages, --exact-rescore, --profile); "
+                             "named flexicache@256,page_size=8")
     parser.add_argument("--oracle", action="store_true",
                         help="also an oracle row per --budget: the pages holding the most true attention mass at "
                              "every step (reads every key; the ceiling of page-granular top-K at that budget)")
@@ -52,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--standby-pages", type=_standby_pages,
                         help="pages a stable head keeps beyond those it attends to, a number or 'auto' (default: "
                              "FlexiCache's)")
+    parser.add_argument("--exact-rescore", type=parse_boolean, metavar="{true,false}",
+                        help="choose the attended pages by their keys' attention mass among the box scores' candidates "
+                             "(default: FlexiCache's)")
     parser.add_argument("--data", nargs="*", default=None,
                         help="longbench/lcc: folders with data/*.jsonl, JSONL files or zip archives of them "
                              "(longbench without it: the hub's data.zip); leval: L-Eval JSONL files or archives "
@@ -102,7 +107,7 @@ def _fill_cache_defaults(args: argparse.Namespace) -> None:
     to the values its rows ran with)."""
     from flexicache.config import FlexiCacheConfig
 
-    for name in ("page_size", "rerank_interval", "standby_pages"):
+    for name in ("page_size", "rerank_interval", "standby_pages", "exact_rescore"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(FlexiCacheConfig, name))
 
@@ -152,7 +157,7 @@ def build_methods(model: Any, args: argparse.Namespace) -> list:
 
     # The settings a row leaves to FlexiCache's defaults are recorded too: a results folder is tied to them.
     defaults = {"page_size": args.page_size, "rerank_interval": args.rerank_interval,
-                "standby_pages": args.standby_pages,
+                "standby_pages": args.standby_pages, "exact_rescore": args.exact_rescore,
                 "group_reduce": FlexiCacheConfig.group_reduce, "spread_weight": FlexiCacheConfig.spread_weight,
                 "principal_bounds": FlexiCacheConfig.principal_bounds}
     methods = [DenseMethod(model)]
