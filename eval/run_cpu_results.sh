@@ -72,6 +72,11 @@ for model in ${models[@]}; do
                 --profile online --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-exact"
+            # the same with HeadProfile.default (no --profile), the split of the qwen2.5-coder/ppl-2k rows
+            python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --exact-rescore false --suite ppl --page-size 8 \
+                --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/qwen2.5-coder-ppl-2k-default-profile-exact"
             python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --exact-rescore false --suite ppl --page-size 8 \
                 --profile online --budget 256 128 --method budget=256,exact_rescore=true,standby_pages=32 \
                 budget=128,exact_rescore=true,standby_pages=16 --data "$stdlib/typing.py" "$stdlib/argparse.py" \
@@ -104,6 +109,9 @@ for model in ${models[@]}; do
             eval_rows gemma3 "$root/gemma3/ppl-2k" 256 128 budget=256,page_size=8,rerank_interval=2 \
                 budget=256,page_size=8,rerank_interval=2,max_promotions=3 -- --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
+            python -m flexicache.cli eval --model gemma3 --device cpu --no-progress --exact-rescore false --suite synthetic \
+                --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
+                --method budget=1024,exact_rescore=true --out "$root/levers/gemma3-synthetic-8k-passkey-exact"
             python -m flexicache.cli eval --model gemma3 --device cpu --no-progress --exact-rescore false --suite ppl --page-size 8 \
                 --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
@@ -167,6 +175,9 @@ for model in ${models[@]}; do
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite synthetic \
                 --tasks niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 --budget 1024 \
                 --method budget=1024,exact_rescore=true --out "$root/levers/synthetic-8k-niah_single_1-exact"
+            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite synthetic \
+                --tasks passkey --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 \
+                --method budget=512,exact_rescore=true --out "$root/levers/synthetic-8k-passkey-16-exact"
             echo "+ levers: the main settings on two other files (a replicate of the perplexity rows above)"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
