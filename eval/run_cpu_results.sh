@@ -168,7 +168,7 @@ for model in ${models[@]}; do
                 --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
                 --page-size 8 --budget 512 --method budget=512,exact_rescore=true,standby_pages=64 \
                 --out "$root/levers/synthetic-4k-exact-standby"
-            echo "+ levers: passkey and needle at 7.7k, budget 1024 (1/7.5), the exact second stage beside the defaults"
+            echo "+ levers: passkey and needle at 7.7k, budget 1024 (1/7.5) and 512 (1/15), the exact second stage"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite synthetic \
                 --tasks passkey --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 --budget 1024 \
                 --method budget=1024,exact_rescore=true --out "$root/levers/synthetic-8k-passkey-exact"
@@ -178,6 +178,9 @@ for model in ${models[@]}; do
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite synthetic \
                 --tasks passkey --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 \
                 --method budget=512,exact_rescore=true --out "$root/levers/synthetic-8k-passkey-16-exact"
+            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite synthetic \
+                --tasks niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 \
+                --method budget=512,exact_rescore=true --out "$root/levers/synthetic-8k-niah_single_1-16-exact"
             echo "+ levers: the main settings on two other files (a replicate of the perplexity rows above)"
             python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
