@@ -65,6 +65,11 @@ def cell(task: dict, method: str, lower_is_better: bool) -> str:
     return text if ratio is None else f"{text} ({ratio:.3f})"
 
 
+def _option_value(value: object) -> str:
+    """A recorded setting as the command line spells it (booleans ``true``/``false``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def command_of(config: dict) -> str:
     """The ``flexicache eval`` command a folder's config.json records (the options that differ from defaults)."""
     parts = ["flexicache eval", f"--suite {config['suite']}", f"--model {config['model']}"]
@@ -76,8 +81,7 @@ def command_of(config: dict) -> str:
         if key == "prefill" and config["suite"] != "ppl":
             continue
         values = value if isinstance(value, list) else [value]
-        values = [Path(str(v)).name if key == "data" else str(v).lower() if isinstance(v, bool) else str(v)
-                  for v in values]
+        values = [Path(str(v)).name if key == "data" else _option_value(v) for v in values]
         parts.append(f"--{key.replace('_', '-')} {' '.join(values)}")
     if config.get("oracle"):
         parts.append("--oracle")

@@ -2,9 +2,8 @@
 # The CPU accuracy results of eval/RESULTS.md: per model, task and budget, dense | oracle pages | FlexiCache (its
 # defaults) | Quest's bound (spread_weight=1.0 in the model's axes), budgets at context/8 and context/16 (perplexity:
 # of the final context), greedy decoding, fp32 on the CPU, one thread per process. Every folder's rows choose pages
-# by box scores unless they say exact_rescore=true (--exact-rescore false: the library's default is true, and the rows
-# with it are its defaults). Every folder resumes (finished samples are skipped), so the script can be stopped and
-# re-run. Usage: bash eval/run_cpu_results.sh [RESULTS_ROOT] [MODEL...]
+# by box scores unless they say exact_rescore=true (eval_cpu). Every folder resumes (finished samples are skipped),
+# so the script can be stopped and re-run. Usage: bash eval/run_cpu_results.sh [RESULTS_ROOT] [MODEL...]
 # (models: smollm2 qwen2.5-coder gemma3; levers: each page-scoring option's effect on SmolLM2; profiles: the head
 # split's; default all).
 set -euo pipefail
@@ -14,6 +13,12 @@ shift || true
 models=("${@:-smollm2 levers profiles qwen2.5-coder gemma3}")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 stdlib=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+
+# flexicache eval on the CPU; --exact-rescore false: the folders' own rows choose pages by box scores (rows with
+# exact_rescore=true are the library's defaults)
+eval_cpu() {
+    python -m flexicache.cli eval --device cpu --no-progress --exact-rescore false "$@"
+}
 
 # eval MODEL OUT BUDGET... [SPEC...] -- ARGS: one folder at 16-token pages without standby pages (the paper's page
 # size and stable heads: the oracle pages, FlexiCache and Quest's bound rows at each budget) with FlexiCache's
@@ -30,8 +35,8 @@ eval_rows() {
     done
     shift
     local methods=("${defaults[@]}" "${quest[@]}" "${extra[@]}")
-    echo "+ flexicache eval --model $model --exact-rescore false --budget ${budgets[*]} --oracle --method ${methods[*]} $* --out $out"
-    python -m flexicache.cli eval --model "$model" --device cpu --no-progress --exact-rescore false --page-size 16 --standby-pages 0 \
+    echo "+ flexicache eval --model $model --budget ${budgets[*]} --oracle --method ${methods[*]} $* --out $out"
+    eval_cpu --model "$model" --page-size 16 --standby-pages 0 \
         --budget "${budgets[@]}" --oracle --method "${methods[@]}" "$@" --out "$out"
 }
 
@@ -62,30 +67,30 @@ for model in ${models[@]}; do
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
             # the library's defaults without a profile beside the oracle pages of their page size (8 tokens), twice
             # the standby pages, reranks every 8 steps, and other spread weights
-            python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --exact-rescore false --suite ppl --page-size 8 \
+            eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 \
                 --profile online --budget 256 128 --oracle --method budget=256,standby_pages=16 \
                 budget=256,rerank_interval=8 budget=256,spread_weight=0.25 budget=256,spread_weight=0.75 \
                 budget=256,spread_weight=1.0 --data "$stdlib/typing.py" "$stdlib/argparse.py" \
                 --context-length 2048 --prefill 1536 --out "$root/levers/qwen2.5-coder-ppl-2k-page8"
             # the exact second stage (exact_rescore) beside the defaults without a profile
-            python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --exact-rescore false --suite ppl --page-size 8 \
+            eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 \
                 --profile online --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-exact"
             # the same with HeadProfile.default (no --profile), the split of the qwen2.5-coder/ppl-2k rows
-            python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --exact-rescore false --suite ppl --page-size 8 \
+            eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 \
                 --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-default-profile-exact"
-            python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --exact-rescore false --suite ppl --page-size 8 \
+            eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 \
                 --profile online --budget 256 128 --method budget=256,exact_rescore=true,standby_pages=32 \
                 budget=128,exact_rescore=true,standby_pages=16 --data "$stdlib/typing.py" "$stdlib/argparse.py" \
                 --context-length 2048 --prefill 1536 --out "$root/levers/qwen2.5-coder-ppl-2k-exact-standby"
-            python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --exact-rescore false --suite lcc --page-size 8 \
+            eval_cpu --model qwen2.5-coder --suite lcc --page-size 8 \
                 --budget 320 160 --method budget=320,exact_rescore=true budget=160,exact_rescore=true \
                 --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24 \
                 --out "$root/levers/qwen2.5-coder-lcc-3k-exact"
-            python -m flexicache.cli eval --model qwen2.5-coder --device cpu --no-progress --exact-rescore false --suite synthetic \
+            eval_cpu --model qwen2.5-coder --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --budget 1024 --method budget=1024,exact_rescore=true \
                 --out "$root/levers/qwen2.5-coder-synthetic-8k-exact"
@@ -109,14 +114,14 @@ for model in ${models[@]}; do
             eval_rows gemma3 "$root/gemma3/ppl-2k" 256 128 budget=256,page_size=8,rerank_interval=2 \
                 budget=256,page_size=8,rerank_interval=2,max_promotions=3 -- --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
-            python -m flexicache.cli eval --model gemma3 --device cpu --no-progress --exact-rescore false --suite synthetic \
+            eval_cpu --model gemma3 --suite synthetic \
                 --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
                 --method budget=1024,exact_rescore=true --out "$root/levers/gemma3-synthetic-8k-passkey-exact"
-            python -m flexicache.cli eval --model gemma3 --device cpu --no-progress --exact-rescore false --suite ppl --page-size 8 \
+            eval_cpu --model gemma3 --suite ppl --page-size 8 \
                 --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/gemma3-ppl-2k-exact"
-            python -m flexicache.cli eval --model gemma3 --device cpu --no-progress --exact-rescore false --suite ppl --page-size 8 \
+            eval_cpu --model gemma3 --suite ppl --page-size 8 \
                 --budget 256 128 --method budget=256,exact_rescore=true,standby_pages=32 \
                 budget=128,exact_rescore=true,standby_pages=16 --data "$stdlib/typing.py" "$stdlib/argparse.py" \
                 --context-length 2048 --prefill 1536 --out "$root/levers/gemma3-ppl-2k-exact-standby"
@@ -127,13 +132,13 @@ for model in ${models[@]}; do
             levers=(spread_weight=1.0,principal_bounds=false principal_bounds=false spread_weight=1.0 page_size=8
                     group_reduce=sum rerank_interval=1 rerank_warmup=16 host_dtype=float8_e4m3fn)
             echo "+ levers: ppl"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite ppl \
+            eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --page-size 16 --standby-pages 0 --oracle --oracle-candidates 2 \
                 --method "${levers[@]/#/budget=192,}" budget=192,spread_weight=0.0 \
                 budget=192,spread_weight=0.25 budget=192,spread_weight=0.75 --out "$root/levers/ppl-1.5k"
             echo "+ levers: ppl with 8-token pages (the page size is the folder's: its oracle rows use it too)"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite ppl \
+            eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --page-size 8 --standby-pages 0 --oracle --oracle-candidates 2 4 --method budget=192,rerank_interval=1 \
                 budget=192,rerank_interval=4 budget=192,rerank_interval=2 budget=192,rerank_warmup=16 \
@@ -142,57 +147,57 @@ for model in ${models[@]}; do
                 budget=192,rerank_interval=2,max_promotions=4 budget=192,standby_pages=auto budget=192,standby_pages=12 \
                 --out "$root/levers/ppl-1.5k-page8"
             echo "+ levers: ppl, the exact second stage (exact_rescore) beside the defaults"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite ppl \
+            eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 96 \
                 --method budget=192,exact_rescore=true budget=96,exact_rescore=true --out "$root/levers/ppl-1.5k-exact"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite ppl \
+            eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --method budget=192,exact_rescore=true --out "$root/levers/ppl-1.5k-replicate-exact"
             echo "+ levers: ppl, the exact second stage with more standby pages (the stable heads choose among more)"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite ppl \
+            eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --method budget=192,exact_rescore=true,standby_pages=12 budget=192,exact_rescore=true,standby_pages=24 \
                 budget=192,exact_rescore=true,rerank_interval=8 --out "$root/levers/ppl-1.5k-exact-standby"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite ppl \
+            eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --method budget=192,exact_rescore=true,standby_pages=24 --out "$root/levers/ppl-1.5k-replicate-exact-standby"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite ppl \
+            eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 96 \
                 --method budget=96,exact_rescore=true,standby_pages=12 --out "$root/levers/ppl-1.5k-16-exact-standby"
             echo "+ levers: passkey and needle at 4k, the exact second stage beside the defaults"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite synthetic \
+            eval_cpu --model smollm2 --suite synthetic \
                 --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
                 --page-size 8 --budget 512 256 --method budget=512,exact_rescore=true budget=256,exact_rescore=true \
                 --out "$root/levers/synthetic-4k-exact"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite synthetic \
+            eval_cpu --model smollm2 --suite synthetic \
                 --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
                 --page-size 8 --budget 512 --method budget=512,exact_rescore=true,standby_pages=64 \
                 --out "$root/levers/synthetic-4k-exact-standby"
             echo "+ levers: passkey and needle at 7.7k, budget 1024 (1/7.5) and 512 (1/15), the exact second stage"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite synthetic \
+            eval_cpu --model smollm2 --suite synthetic \
                 --tasks passkey --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 --budget 1024 \
                 --method budget=1024,exact_rescore=true --out "$root/levers/synthetic-8k-passkey-exact"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite synthetic \
+            eval_cpu --model smollm2 --suite synthetic \
                 --tasks niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 --budget 1024 \
                 --method budget=1024,exact_rescore=true --out "$root/levers/synthetic-8k-niah_single_1-exact"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite synthetic \
+            eval_cpu --model smollm2 --suite synthetic \
                 --tasks passkey --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 \
                 --method budget=512,exact_rescore=true --out "$root/levers/synthetic-8k-passkey-16-exact"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite synthetic \
+            eval_cpu --model smollm2 --suite synthetic \
                 --tasks niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 \
                 --method budget=512,exact_rescore=true --out "$root/levers/synthetic-8k-niah_single_1-16-exact"
             echo "+ levers: the main settings on two other files (a replicate of the perplexity rows above)"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite ppl \
+            eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --page-size 16 --standby-pages 0 --oracle --method budget=192,page_size=8 \
                 budget=192,page_size=8,rerank_interval=2 budget=192,page_size=8,standby_pages=auto \
                 budget=192,page_size=8,rerank_interval=2,max_promotions=2 --out "$root/levers/ppl-1.5k-replicate"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite ppl \
+            eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --page-size 8 --standby-pages 0 --oracle --method budget=192,rerank_interval=1 \
                 --out "$root/levers/ppl-1.5k-replicate-page8"
             echo "+ levers: niah_single_1 4k"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite synthetic \
+            eval_cpu --model smollm2 --suite synthetic \
                 --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 --oracle \
                 --page-size 16 --standby-pages 0 --method "${levers[@]/#/budget=256,}" --out "$root/levers/niah-4k"
             ;;
@@ -211,11 +216,11 @@ PY
             splits=(profile=default profile=online profile=$root/profiles/all-stable.json
                     profile=$root/profiles/all-unstable.json)
             echo "+ profiles: ppl"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite ppl \
+            eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --page-size 16 --standby-pages 0 --method "${splits[@]/#/budget=192,}" --out "$root/profiles/ppl-1.5k"
             echo "+ profiles: niah_single_1 4k"
-            python -m flexicache.cli eval --model smollm2 --device cpu --no-progress --exact-rescore false --suite synthetic \
+            eval_cpu --model smollm2 --suite synthetic \
                 --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 \
                 --page-size 16 --standby-pages 0 --method "${splits[@]/#/budget=256,}" --out "$root/profiles/niah-4k"
             ;;

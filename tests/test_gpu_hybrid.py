@@ -72,8 +72,8 @@ def test_hybrid_full_budget_on_flashinfer_matches_dynamic_cache() -> None:
     assert kv_bytes_by_device(cache) == {"cuda:0": {key: stats[key] for key in BYTE_KEYS}}
 
 
-# Random weights attend almost uniformly: the pages' attention masses nearly tie, and the two backends' bf16
-# outputs (which feed the next layers' keys) flip more of exact_rescore's choices than of the box scores'.
+# exact_rescore measured 0.031 here: random weights attend almost uniformly, so the pages' attention masses nearly
+# tie and, likely (not traced), the two backends' bf16 outputs flip more of its choices than of the box scores'.
 @pytest.mark.parametrize("exact_rescore,tolerance", [(True, 4e-2), (False, 2e-2)], ids=["exact", "box"])
 def test_hybrid_small_budget_flashinfer_matches_reference_backend(exact_rescore: bool, tolerance: float) -> None:
     model = gemma3_model()
