@@ -173,6 +173,11 @@ for model in ${models[@]}; do
                 --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
                 --page-size 8 --budget 512 --method budget=512,exact_rescore=true,standby_pages=64 \
                 --out "$root/levers/synthetic-4k-exact-standby"
+            echo "+ levers: passkey and needle at 4k, budget 128 (context/budget = 32), the exact second stage"
+            eval_cpu --model smollm2 --suite synthetic \
+                --tasks passkey niah_single_1 --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
+                --page-size 8 --budget 128 --oracle --method budget=128,exact_rescore=true \
+                --out "$root/levers/synthetic-4k-32-exact"
             echo "+ levers: passkey and needle at 7.7k, budget 1024 (1/7.5) and 512 (1/15), the exact second stage"
             eval_cpu --model smollm2 --suite synthetic \
                 --tasks passkey --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 --budget 1024 \

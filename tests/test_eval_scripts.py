@@ -26,9 +26,21 @@ def run_script(name: str, *args: str) -> str:
 
 @pytest.mark.parametrize("name", ["gpu_step_profile.py", "gpu_prefill_profile.py", "gpu_prefill_breakdown.py",
                                   "gpu_eigh_overlap.py", "gpu_kernel_sweep.py", "gpu_repeatability.py",
-                                  "gpu_end_to_end.py"])
+                                  "gpu_end_to_end.py", "gpu_model_step_profile.py"])
 def test_gpu_profiling_scripts_parse_their_arguments(name: str) -> None:
     assert "usage:" in run_script(name, "--help")
+
+
+def test_model_step_profile_groups_kernels_by_kind() -> None:
+    """eval/gpu_model_step_profile.py puts each kernel of a profiled step in the group its name says."""
+    group_of = load_script("gpu_model_step_profile.py").group_of
+    assert group_of("nvjet_sm90_tst_64x8_64x16_2x1_v_bz_TNT").startswith("dense matmuls")
+    assert group_of("void cublasLt::splitKreduce_kernel<32, 16, int, float>").startswith("dense matmuls")
+    assert group_of("void flashinfer::BatchPrefillWithPagedKVCacheKernel<true>") == "FlashInfer attention"
+    assert group_of("_candidates_kernel") == group_of("_copy_pages_kernel") == "FlexiCache Triton kernels"
+    assert group_of("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>").startswith("elementwise")
+    assert group_of("Memcpy DtoD (Device -> Device)") == "copies"
+    assert group_of("cudnn_generated_fort_native_sdpa_sm80_flash_fprop") == "other"
 
 
 def test_repeatability_check_runs_on_the_cpu() -> None:
