@@ -4,6 +4,7 @@ cache internals they reach exist (eval/begin_step_host_time.py runs whole in tes
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -41,6 +42,23 @@ def test_model_step_profile_groups_kernels_by_kind() -> None:
     assert group_of("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>").startswith("elementwise")
     assert group_of("Memcpy DtoD (Device -> Device)") == "copies"
     assert group_of("cudnn_generated_fort_native_sdpa_sm80_flash_fprop") == "other"
+
+
+def test_layer_budget_split_keeps_the_total_budget() -> None:
+    """eval/layer_budget_split.py's split of the stored diagnosis: one of the diagnosis' budgets per layer, their mean
+    the middle budget, and more summed recall than the same budget everywhere."""
+    script = load_script("layer_budget_split.py")
+    diagnosis = json.loads(script.DIAGNOSIS.read_text())
+    split = script.recall_maximising_split(diagnosis)
+    assert len(split) == diagnosis["num_layers"] and set(split) <= set(script.BUDGETS)
+    assert sum(split) == script.BUDGETS[1] * len(split)
+
+    def recall(budget: int, layer: int) -> float:
+        heads = diagnosis["budgets"][str(budget)]["flexicache"]["recall_by_head"][layer]
+        return sum(heads) / len(heads)
+
+    uniform = sum(recall(script.BUDGETS[1], layer) for layer in range(len(split)))
+    assert sum(recall(budget, layer) for layer, budget in enumerate(split)) > uniform
 
 
 def test_repeatability_check_runs_on_the_cpu() -> None:
