@@ -153,6 +153,9 @@ for model in ${models[@]}; do
             eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --method budget=192,exact_rescore=true --out "$root/levers/ppl-1.5k-replicate-exact"
+            eval_cpu --model smollm2 --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
+                --profile online --method budget=192,exact_rescore=true --out "$root/levers/ppl-1.5k-exact-online"
             echo "+ levers: ppl, the exact second stage with more standby pages (the stable heads choose among more)"
             eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
