@@ -94,6 +94,10 @@ for model in ${models[@]}; do
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --budget 1024 --method budget=1024,exact_rescore=true \
                 --out "$root/levers/qwen2.5-coder-synthetic-8k-exact"
+            eval_cpu --model qwen2.5-coder --suite synthetic \
+                --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
+                --page-size 8 --method budget=512,exact_rescore=true \
+                --out "$root/levers/qwen2.5-coder-synthetic-8k-16-exact"
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/lcc-8k" 1024 512 budget=1024,rerank_warmup=16 \
@@ -117,6 +121,9 @@ for model in ${models[@]}; do
             eval_cpu --model gemma3 --suite synthetic \
                 --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
                 --method budget=1024,exact_rescore=true --out "$root/levers/gemma3-synthetic-8k-passkey-exact"
+            eval_cpu --model gemma3 --suite synthetic \
+                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
+                --method budget=1024,exact_rescore=true --out "$root/levers/gemma3-synthetic-8k-niah-exact"
             eval_cpu --model gemma3 --suite ppl --page-size 8 \
                 --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
