@@ -98,6 +98,10 @@ for model in ${models[@]}; do
                 --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --method budget=512,exact_rescore=true \
                 --out "$root/levers/qwen2.5-coder-synthetic-8k-16-exact"
+            eval_cpu --model qwen2.5-coder --suite synthetic \
+                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
+                --page-size 8 --method budget=512,exact_rescore=true \
+                --out "$root/levers/qwen2.5-coder-synthetic-8k-niah-16-exact"
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/lcc-8k" 1024 512 budget=1024,rerank_warmup=16 \
