@@ -4,8 +4,9 @@ Builds the ``--shape`` model with random weights (``--layers`` decoder layers, b
 (``flexicache-1024``, ``dynamic``, ... as in ``flexicache bench``) with ``--context`` random tokens x ``--batch``
 as the decode bench does, warms up, times ``--steps`` greedy ``generate`` steps (wall, device synchronised), then
 runs ``--profile-steps`` more under the torch profiler and prints, per decode step: the GPU time of each group of
-kernels (dense matmuls, FlashInfer attention, FlexiCache's Triton kernels, elementwise/normalisation, copies, the
-rest), the busy share of the step's wall time, and the kernels that take the most time.
+kernels (dense matmuls, FlashInfer or sdpa attention, FlexiCache's Triton kernels, elementwise/normalisation, copies,
+the rest), their sum ("GPU busy": kernels that overlap on several streams count once each) and its share of the
+step's wall time, and the kernels that take the most time.
 
 Usage: ``python eval/gpu_model_step_profile.py [--layers 32] [--system flexicache-1024] [--context 32768]``
 """
@@ -29,8 +30,9 @@ from flexicache.benchmarks.suite import Settings, System, model_config
 GROUPS = (
     ("copies", re.compile(r"^Memcpy|^Memset")),
     ("FlashInfer attention", re.compile(r"flashinfer")),
+    ("sdpa attention (cuDNN / flash)", re.compile(r"sdpa|fmha|flash_fwd|lean_reduction")),
     ("dense matmuls (gemm/gemv)", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitK", re.IGNORECASE)),
-    ("FlexiCache Triton kernels", re.compile(r"^_[a-z_]+_kernel$")),
+    ("FlexiCache Triton kernels", re.compile(r"^_[a-z0-9_]+_kernel$")),
     ("elementwise / reductions (norms, rotary, SiLU, softmax)",
      re.compile(r"elementwise|reduce|Reduce|softmax|index|cat|gather|scatter|fill|copy", re.IGNORECASE)),
 )
@@ -59,9 +61,11 @@ def main() -> None:
     model = build_model(config, device, torch.bfloat16, settings.seed)
     system = System(args.system)
     model.set_attn_implementation(system.attn_implementation)
-    cache = system.make_cache(config, args.context + 20 + args.steps + args.profile_steps + 4, settings)
+    warmup = 20
+    # capacity: the context, the warm-up, the timed and profiled steps, and each generate call's first step
+    cache = system.make_cache(config, args.context + warmup + args.steps + args.profile_steps + 4, settings)
     ids = fill_cache(model, cache, args.batch, args.context, settings.seed)
-    sequences, _ = timed_generate(model, cache, ids, 20)
+    sequences, _ = timed_generate(model, cache, ids, warmup)
     sequences, step_ms = timed_generate(model, cache, sequences, args.steps + 1)
     p50 = statistics.median(step_ms[1:])
 
@@ -83,7 +87,7 @@ def main() -> None:
           f"{p50:.2f} ms, GPU busy {busy:.2f} ms per step ({busy / p50:.0%})")
     for group, ms in sorted(groups.items(), key=lambda item: -item[1]):
         print(f"  {ms:7.3f} ms  {group}")
-    print(f"top kernels (ms per step, launches per step):")
+    print("top kernels (ms per step, launches per step):")
     for name, ms in sorted(kernels.items(), key=lambda item: -item[1])[:args.top]:
         print(f"  {ms:7.3f}  {calls[name] / args.profile_steps:6.1f}  {group_of(name)[:12]:12s}  {name[:110]}")
     if args.json:

@@ -6,7 +6,8 @@ tokens, budgets 128 / 256 / 512), each layer takes 128, 256 or 512 tokens so tha
 selection is largest with 256 per layer on average; scaled by 3/4 for 1.5k-token texts (1/8 of the context either
 way). Each file: its first 1536 tokens, 1024 prefilled, the rest scored one token per forward; rows: dense
 (DynamicCache), FlexiCache's defaults at budget 192 (no profile), and the same with each layer's budget set from the
-split (the layers' own ``settings`` replaced before the prefill).
+split (the layers' own ``settings`` replaced before the prefill; a layer's budget also enters its head split from
+the prompt, :mod:`flexicache.head_split`).
 
 Usage: ``python eval/layer_budget_split.py [FILE ...]`` (standard-library file names; default dataclasses.py
 inspect.py)
@@ -47,7 +48,10 @@ def recall_maximising_split(diagnosis: dict) -> list[int]:
                 if units <= layers * BUDGETS[1] // unit and (units not in grown or grown[units][0] < value):
                     grown[units] = (value, picks + [budget])
         best = grown
-    return best[layers * BUDGETS[1] // unit][1]
+    target = layers * BUDGETS[1] // unit
+    if target not in best:
+        raise ValueError(f"no split of {BUDGETS} sums to {BUDGETS[1]} per layer over {layers} layers")
+    return best[target][1]
 
 
 def main() -> None:

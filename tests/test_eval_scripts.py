@@ -41,7 +41,9 @@ def test_model_step_profile_groups_kernels_by_kind() -> None:
     assert group_of("_candidates_kernel") == group_of("_copy_pages_kernel") == "FlexiCache Triton kernels"
     assert group_of("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>").startswith("elementwise")
     assert group_of("Memcpy DtoD (Device -> Device)") == "copies"
-    assert group_of("cudnn_generated_fort_native_sdpa_sm80_flash_fprop") == "other"
+    assert group_of("cudnn_generated_fort_native_sdpa_sm80_flash_fprop").startswith("sdpa attention")
+    assert group_of("_page_mass2_kernel") == "FlexiCache Triton kernels"
+    assert group_of("void cuda::some_unlisted_kernel") == "other"
 
 
 def test_layer_budget_split_keeps_the_total_budget() -> None:
