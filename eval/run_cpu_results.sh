@@ -162,6 +162,9 @@ for model in ${models[@]}; do
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 96 \
                 --method budget=192,exact_rescore=true budget=96,exact_rescore=true --out "$root/levers/ppl-1.5k-exact"
             eval_cpu --model smollm2 --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 48 \
+                --oracle --method budget=48,exact_rescore=true --out "$root/levers/ppl-1.5k-32-exact"
+            eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --method budget=192,exact_rescore=true --out "$root/levers/ppl-1.5k-replicate-exact"
             eval_cpu --model smollm2 --suite ppl \
