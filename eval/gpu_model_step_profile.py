@@ -20,10 +20,8 @@ import re
 import statistics
 
 import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 
-from flexicache.benchmarks.measure import build_model, fill_cache, synchronize, timed_generate
+from flexicache.benchmarks.measure import build_model, device_kernels, fill_cache, timed_generate
 from flexicache.benchmarks.suite import Settings, System, model_config
 
 # (group, pattern on the kernel name); the first match names a kernel's group
@@ -69,15 +67,9 @@ def main() -> None:
     sequences, step_ms = timed_generate(model, cache, sequences, args.steps + 1)
     p50 = statistics.median(step_ms[1:])
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        timed_generate(model, cache, sequences, args.profile_steps)
-        synchronize(device)
-    kernels: dict[str, float] = collections.defaultdict(float)
-    calls: dict[str, int] = collections.Counter()
-    for event in prof.events():
-        if event.device_type == DeviceType.CUDA:
-            kernels[event.name] += event.time_range.elapsed_us() / 1000 / args.profile_steps
-            calls[event.name] += 1
+    profiled = device_kernels(lambda: timed_generate(model, cache, sequences, args.profile_steps), device)
+    kernels = {name: ms / args.profile_steps for name, (ms, _) in profiled.items()}  # per step
+    calls = {name: launches for name, (_, launches) in profiled.items()}
     groups: dict[str, float] = collections.defaultdict(float)
     for name, ms in kernels.items():
         groups[group_of(name)] += ms

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from flexicache import FlexiCache
-from flexicache.evaluation.perplexity import decode_nll, stdlib_file
+from flexicache.evaluation.perplexity import decode_nll, perplexity, stdlib_file
 from flexicache.models import load_model
 
 DIAGNOSIS = Path(__file__).parent / "results/cpu/diagnose/typing-2k/diagnosis.json"
@@ -74,10 +73,10 @@ def main() -> None:
             totals.setdefault(method, [0.0, 0])
             totals[method][0] += nll
             totals[method][1] += tokens
-            print(f"{name} {method}: perplexity {math.exp(nll / tokens):.3f}", flush=True)
-    dense = math.exp(totals["dense"][0] / totals["dense"][1])
+            print(f"{name} {method}: perplexity {perplexity(nll, tokens):.3f}", flush=True)
+    dense = perplexity(*totals["dense"])
     for method, (nll, tokens) in totals.items():
-        print(f"all files {method}: perplexity {math.exp(nll / tokens):.3f} ({math.exp(nll / tokens) / dense:.3f} "
+        print(f"all files {method}: perplexity {perplexity(nll, tokens):.3f} ({perplexity(nll, tokens) / dense:.3f} "
               "of dense)")
 
 

@@ -122,8 +122,9 @@ def summarize(step_ms: list[float]) -> dict[str, float]:
             "p99_over_p50": p99 / p50}
 
 
-def device_busy_ms(run: Callable[[], Any], device: torch.device) -> float | None:
-    """Summed duration of the GPU kernels and copies issued by ``run()`` (torch profiler), ms; ``None`` on CPU."""
+def device_kernels(run: Callable[[], Any], device: torch.device) -> dict[str, tuple[float, int]] | None:
+    """``{name: (summed ms, launches)}`` of the GPU kernels and copies issued by ``run()`` (torch profiler); ``None``
+    on CPU."""
     if device.type != "cuda":
         return None
     from torch.autograd import DeviceType
@@ -132,7 +133,19 @@ def device_busy_ms(run: Callable[[], Any], device: torch.device) -> float | None
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         synchronize(device)
-    return sum(event.time_range.elapsed_us() for event in prof.events() if event.device_type == DeviceType.CUDA) / 1000
+    kernels: dict[str, tuple[float, int]] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            ms, launches = kernels.get(event.name, (0.0, 0))
+            kernels[event.name] = (ms + event.time_range.elapsed_us() / 1000, launches + 1)
+    return kernels
+
+
+def device_busy_ms(run: Callable[[], Any], device: torch.device) -> float | None:
+    """Summed duration of the GPU kernels and copies issued by ``run()`` (:func:`device_kernels`), ms; ``None`` on
+    CPU."""
+    kernels = device_kernels(run, device)
+    return None if kernels is None else sum(ms for ms, _ in kernels.values())
 
 
 def allocated(device: torch.device) -> int | None:
