@@ -18,7 +18,8 @@ from flexicache.benchmarks.cli import add_arguments, settings_from
 from flexicache.benchmarks.decode import calibration, extrapolate, measurement_order
 from flexicache.benchmarks.document import END, find_sections, render_document
 from flexicache.benchmarks.headlines import headlines
-from flexicache.benchmarks.measure import summarize
+from flexicache.benchmarks import measure
+from flexicache.benchmarks.measure import build_model, fill_cache, summarize
 from flexicache.benchmarks.memory import offload_full_depth
 from flexicache.benchmarks.report import render_report
 from flexicache.benchmarks.rerank import rerank_summary, timed_steps
@@ -298,6 +299,7 @@ def test_system_names():
     assert (System("flexicache-1024").kind, System("flexicache-1024").budget) == ("flexicache", 1024)
     assert (System("quest-512").kind, System("dense").budget) == ("quest", None)
     assert System("dynamic-offload").attn_implementation == "sdpa"
+    assert (System("static").kind, System("static").attn_implementation) == ("static", "sdpa")
     for bad in ("flexicache", "quest-x", "sparse-1024", "dense-1024"):
         with pytest.raises(ValueError, match="unknown system"):
             System(bad)
@@ -454,3 +456,51 @@ def tiny_bench_config():
 
     return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
+def test_a_chunked_fill_puts_the_same_tokens_in_every_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fill writes chunk by chunk through every layer: DynamicCache and StaticCache end up with the same keys
+    and values, and FlexiCache holds every token."""
+    monkeypatch.setattr(measure, "FILL_CHUNK_TOKENS", 48)
+    config, settings = tiny_bench_config(), settings_from(argparse.Namespace(device="cpu"))
+    model = build_model(config, torch.device("cpu"), torch.float32, seed=0)
+    caches = {}
+    for name in ("dynamic", "static", "flexicache-64"):
+        system = System(name)
+        model.set_attn_implementation(system.attn_implementation)
+        caches[name] = system.make_cache(config, 120, settings)
+        ids = fill_cache(model, caches[name], batch=2, context=100, seed=0)
+        assert ids.shape == (2, 101)
+        assert caches[name].get_seq_length() == 100
+    for layer in range(config.num_hidden_layers):
+        dynamic, static = caches["dynamic"].layers[layer], caches["static"].layers[layer]
+        assert torch.equal(static.keys[:, :, :100], dynamic.keys)
+        assert torch.equal(static.values[:, :, :100], dynamic.values)
+
+
+def test_the_throughput_case_steps_down_from_a_batch_that_runs_out_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flexicache.benchmarks import throughput
+
+    ran = []
+
+    def decode_run(suite, model, system, batch, context, steps, profile_steps=0):
+        ran.append(batch)
+        if batch > 26:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")  # e.g. a kernel's workspace
+        return {"step_ms_p50": 100.0, "tokens_per_s": 10.0 * batch, "layers": 2}
+
+    monkeypatch.setattr(throughput, "largest_batch", lambda suite, name, system: {"largest_batch": 30})
+    monkeypatch.setattr(throughput, "decode_run", decode_run)
+    monkeypatch.setattr(throughput, "with_full_depth", lambda suite, name, batch, row: row)
+    suite = argparse.Namespace(settings=settings_from(argparse.Namespace(device="cpu")), device=torch.device("cpu"),
+                               model=lambda name: None)
+    row = throughput.measure_throughput(suite, "tiny-llama", System("static"))
+    assert ran == [30, 28, 26]
+    assert (row["largest_batch"], row["estimated_batch"], row["out_of_memory_at"]) == (26, 30, [30, 28])
+    assert row["tokens_per_s"] == 260.0
+
+    ran.clear()
+    monkeypatch.setattr(throughput, "largest_batch", lambda suite, name, system: {"largest_batch": 100})
+    with pytest.raises(torch.OutOfMemoryError):  # 100, 95, 90, 85, 80 all fail: the error is not hidden
+        throughput.measure_throughput(suite, "tiny-llama", System("static"))
+    assert len(ran) == throughput.OOM_RETRIES + 1

@@ -128,7 +128,9 @@ def throughput_headlines(results: dict[str, Any]) -> list[str]:
         if not row["system"].startswith("flexicache") or not dynamic or not row.get("largest_batch"):
             continue
         text = (f"{row['system']}: largest batch at {row['context']} tokens {row['largest_batch']} (bound: "
-                f"{row['bound']}; {full_layers(row['model'])} layers, estimated from measured bytes) vs DynamicCache's "
+                f"{row['bound']}; {full_layers(row['model'])} layers, "
+                f"{'ran' if row.get('layers') == full_layers(row['model']) else 'estimated from measured bytes'}) "
+                "vs DynamicCache's "
                 f"{dynamic['largest_batch']}")
         if row.get("tokens_per_s") and dynamic.get("tokens_per_s"):
             text += (f"; tokens/s there {row['tokens_per_s']:.0f} vs {dynamic['tokens_per_s']:.0f} = "

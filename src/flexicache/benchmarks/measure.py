@@ -49,28 +49,36 @@ def random_ids(batch: int, length: int, vocab_size: int, device: torch.device, s
     return torch.randint(1, vocab_size, (batch, length), generator=generator, device=device)
 
 
+FILL_CHUNK_TOKENS = 4096  # tokens per request that :func:`fill_cache` writes at a time
+
+
 @torch.no_grad()
 def fill_cache(model: Any, cache: Cache, batch: int, context: int, seed: int) -> torch.Tensor:
-    """Put ``context`` random keys/values per request into ``cache`` layer by layer, as a prefill would, without
-    running the model (a batched long prefill would not fit). Returns input ids ``[batch, context + 1]`` whose last
-    token is the first one ``generate`` decodes."""
+    """Put ``context`` random keys/values per request into ``cache`` as a chunked prefill would (chunks of
+    :data:`FILL_CHUNK_TOKENS`, each through every layer), without running the model (a batched long prefill would
+    not fit; the chunks keep the random tensors small beside a nearly full device). Returns input ids
+    ``[batch, context + 1]`` whose last token is the first one ``generate`` decodes."""
     config, device, dtype = model.config, model.device, model.dtype
     generator = torch.Generator(device=device).manual_seed(seed)
-    kv_shape = (batch, config.num_key_value_heads, context, config.head_dim)
-    for index, layer in enumerate(model.model.layers):
-        keys = torch.randn(kv_shape, generator=generator, device=device, dtype=dtype)
-        values = torch.randn(kv_shape, generator=generator, device=device, dtype=dtype)
-        cache.update(keys, values, index)
-        if isinstance(cache, FlexiCache):
-            # The staged chunk holds the keys; the stable heads' first selection needs a query and a cache without
-            # a profile splits its heads from the prompt's last queries: random queries of the last TAIL_QUERIES
-            # positions, whose (unused) dense output is computed over those positions only.
-            tail = min(TAIL_QUERIES, context)
-            query = torch.randn(batch, config.num_attention_heads, tail, config.head_dim, generator=generator,
-                                device=device, dtype=dtype)
-            flexicache_attention_forward(layer.self_attn, query, keys[:, :, -tail:], values[:, :, -tail:], None,
-                                         scaling=layer.self_attn.scaling)
-        del keys, values
+    for start in range(0, context, FILL_CHUNK_TOKENS):
+        length = min(FILL_CHUNK_TOKENS, context - start)
+        kv_shape = (batch, config.num_key_value_heads, length, config.head_dim)
+        positions = torch.arange(start, start + length, device=device)
+        for index, layer in enumerate(model.model.layers):
+            keys = torch.randn(kv_shape, generator=generator, device=device, dtype=dtype)
+            values = torch.randn(kv_shape, generator=generator, device=device, dtype=dtype)
+            # the positions are for StaticCache (older transformers read them from the cache kwargs, newer count)
+            cache.update(keys, values, index, {"cache_position": positions})
+            if isinstance(cache, FlexiCache):
+                # The staged chunk holds the keys; committing it (and the stable heads' first selection, and the
+                # head split of a cache without a profile) needs a forward: random queries of the chunk's last
+                # TAIL_QUERIES positions, whose (unused) dense output is computed over those positions only.
+                tail = min(TAIL_QUERIES, length)
+                query = torch.randn(batch, config.num_attention_heads, tail, config.head_dim, generator=generator,
+                                    device=device, dtype=dtype)
+                flexicache_attention_forward(layer.self_attn, query, keys[:, :, -tail:], values[:, :, -tail:],
+                                             None, scaling=layer.self_attn.scaling)
+            del keys, values
     return random_ids(batch, context + 1, config.vocab_size, device, seed)
 
 

@@ -237,13 +237,21 @@ def throughput_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> s
         out.append(line)
     layers = next((row["layers"] for row in rows if "layers" in row), results["settings"]["layers"])
     full_n = full_layers(rows[0]["model"])
-    header = ["model", "system", f"largest batch ({full_n} layers, est.)", "bound", "x Dynamic",
+    batch_header = (f"largest batch ({full_n} layers, est.)" if layers < full_n
+                    else f"largest batch that ran ({full_n} layers)")
+    header = ["model", "system", batch_header, "bound", "x Dynamic",
               "device/seq (full, with decode transient)", "host/seq (full, pinned)", f"step ms p50 ({layers} layers)",
               f"tok/s ({layers} layers)",
               f"tok/s x Dynamic ({layers} layers)"]
     if with_full:
         header += ["tok/s full depth (est.)", "tok/s x Dynamic full depth (est.)"]
     text = table(header, out)
+    for row in rows:
+        if row.get("out_of_memory_at"):
+            text += (f"\n\n`{row['system']}` ran out of device memory at batch "
+                     f"{', '.join(map(str, row['out_of_memory_at']))} (the estimate from the probe: "
+                     f"{row['estimated_batch']}); " + (f"batch {row['largest_batch']} ran." if row.get("step_ms_p50")
+                                                      else "no smaller batch tried ran."))
     for row in rows:
         if row["bound"] != "host":
             continue

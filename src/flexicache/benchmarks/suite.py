@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Cache, DynamicCache, LlamaConfig, MistralConfig, PretrainedConfig
+from transformers import Cache, DynamicCache, LlamaConfig, MistralConfig, PretrainedConfig, StaticCache
 
 from flexicache import FlexiCache, HeadProfile, attention, disable_step_graphs, handoff
 from flexicache.config import FlexiCacheConfig
@@ -63,12 +63,12 @@ def full_layers(name: str) -> int:
 def split_system_name(name: str) -> tuple[str, int | None]:
     """``(kind, token budget or None)`` of a system name (its ``:settings`` suffix aside)."""
     name = name.partition(":")[0]
-    if name in ("dynamic", "dynamic-offload", "dense"):
+    if name in ("dynamic", "dynamic-offload", "static", "dense"):
         return name, None
     kind, _, budget = name.partition("-")
     if kind in ("flexicache", "quest") and budget.isdigit():
         return kind, int(budget)
-    raise ValueError(f"unknown system {name!r}: use dynamic, dynamic-offload, dense, flexicache-<budget> or "
+    raise ValueError(f"unknown system {name!r}: use dynamic, dynamic-offload, static, dense, flexicache-<budget> or "
                      "quest-<budget> (e.g. flexicache-1024), optionally with FlexiCache settings after a colon "
                      "(e.g. flexicache-1024:spread_weight=1.0)")
 
@@ -82,8 +82,8 @@ def system_options(name: str) -> dict[str, Any]:
 @dataclass(frozen=True)
 class System:
     """A cache configuration, by name: ``dynamic`` (DynamicCache + sdpa), ``dynamic-offload`` (DynamicCache with
-    ``offloading=True``), ``dense`` (FlexiCache, every head on the device, budget covering the context: dense
-    FlashInfer decode), ``flexicache-<budget>`` (stable/unstable profile) and ``quest-<budget>`` (every head
+    ``offloading=True``), ``static`` (StaticCache + sdpa, sized for the run's tokens), ``dense`` (FlexiCache, every
+    head on the device, budget covering the context: dense FlashInfer decode), ``flexicache-<budget>`` (stable/unstable profile) and ``quest-<budget>`` (every head
     unstable: all pages on the device, rerank every step); FlexiCache settings may follow a colon
     (``flexicache-1024:spread_weight=1.0``; ``profile=online``: the head split estimated from the prompt in place of
     the random profile)."""
@@ -118,6 +118,8 @@ class System:
             return DynamicCache(config=config)
         if self.kind == "dynamic-offload":
             return DynamicCache(config=config, offloading=True)
+        if self.kind == "static":
+            return StaticCache(config=config, max_cache_len=tokens)
         shape = Shape.of(config)
         page = int(system_options(self.name).get("page_size", settings.page_size))
         if self.kind == "flexicache":

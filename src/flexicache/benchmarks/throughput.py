@@ -6,7 +6,8 @@ device and host bytes per sequence and layer (after warm-up, pool growth include
 peak over the steady state). The batch is the largest with
 ``weights(full) + reserve + batch * (per_layer * full_layers + transient) <= device memory`` and
 ``batch * host_per_layer * full_layers <= host memory``. Tokens/s there are measured on the ``--layers`` model at
-that batch and extrapolated to full depth with the loop calibration (see :mod:`flexicache.benchmarks.decode`).
+that batch (a few smaller batches tried where it runs out of device memory) and extrapolated to full depth with the
+loop calibration (see :mod:`flexicache.benchmarks.decode`).
 
 Offline mix: ``--mix-requests`` requests, inputs uniform in ``--mix-input``, outputs log-uniform in ``--mix-output``,
 sorted by input length and served in static batches of ``--mix-batch`` with ``generate`` (left padding, real
@@ -28,7 +29,7 @@ import torch
 from flexicache.benchmarks.decode import decode_run, full_depth_ms, with_full_depth
 from flexicache.benchmarks.measure import random_ids, timed_generate, weight_bytes
 from flexicache.benchmarks.results import size
-from flexicache.benchmarks.suite import GIB, CaseResult, Suite, System, full_layers, systems
+from flexicache.benchmarks.suite import GIB, CaseResult, Suite, System, full_layers, release, systems
 
 
 def memory_limits(suite: Suite) -> tuple[float, float]:
@@ -75,13 +76,34 @@ def largest_batch(suite: Suite, model_name: str, system: System) -> dict[str, An
             "probe_pinned_host_bytes": probe.get("pinned_host_bytes")}
 
 
+OOM_RETRIES = 4  # smaller batches tried after the estimated largest batch ran out of device memory
+OOM_STEP = 0.95  # each retry's batch: this share of the last one (at least one less)
+
+
 def measure_throughput(suite: Suite, model_name: str, system: System) -> dict[str, Any]:
+    """Tokens/s at the estimated largest batch; where that runs out of device memory (a transient the probe did
+    not see: allocator fragmentation, a kernel's workspace), at the largest of up to :data:`OOM_RETRIES` smaller
+    batches that runs (``largest_batch`` is then the batch that ran, ``estimated_batch`` the estimate and
+    ``out_of_memory_at`` the batches that did not fit)."""
     s = suite.settings
     row = largest_batch(suite, model_name, system)
     batch = row["largest_batch"]
-    if batch < 1:
+    row["estimated_batch"], row["out_of_memory_at"] = batch, []
+    run = None
+    while batch >= 1 and run is None:
+        try:
+            run = decode_run(suite, suite.model(model_name), system, batch, s.throughput_context, s.steps,
+                             s.profile_steps)
+        except torch.OutOfMemoryError:
+            if len(row["out_of_memory_at"]) == OOM_RETRIES:
+                raise
+        if run is None:  # out of the except clause: the failed attempt's frames (and its cache) are gone
+            release(suite.device)
+            row["out_of_memory_at"].append(batch)
+            batch = min(batch - 1, math.floor(batch * OOM_STEP))
+    if run is None:
         return row
-    run = decode_run(suite, suite.model(model_name), system, batch, s.throughput_context, s.steps, s.profile_steps)
+    row["largest_batch"] = batch
     keep = ("step_ms_p50", "step_ms_p99", "p99_over_p50", "tokens_per_s", "device_busy_ms", "gpu_idle_share", "layers",
             "device_reserved_bytes", "host_reserved_bytes")
     row.update({key: run[key] for key in keep if key in run})
@@ -94,7 +116,8 @@ def run(suite: Suite, model_name: str, result: CaseResult) -> None:
         result.notes.append(
             f"Largest batch at {s.throughput_context} tokens for the full-depth model ({full_layers(model_name)} "
             f"layers), estimated from bytes measured at batch {s.probe_batch} on {s.layers} layers; tokens/s "
-            f"measured at that batch on {s.layers} layers, `full_depth` extrapolated (none when the loop calibration "
+            f"measured at that batch on {s.layers} layers (where it runs out of device memory, at the largest of "
+            f"{OOM_RETRIES} smaller batches that runs), `full_depth` extrapolated (none when the loop calibration "
             f"at that batch is inconsistent). Limits: device "
             f"{size(memory_limits(suite)[0])} minus {size(s.reserve_gib * GIB)} reserve, host "
             f"{size(memory_limits(suite)[1])}.")
