@@ -461,15 +461,20 @@ def tiny_bench_config():
 def test_a_chunked_fill_puts_the_same_tokens_in_every_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fill writes chunk by chunk through every layer: DynamicCache and StaticCache end up with the same keys
     and values, and FlexiCache holds every token."""
-    monkeypatch.setattr(measure, "FILL_CHUNK_TOKENS", 48)
+    monkeypatch.setattr(measure, "FILL_CHUNK_BYTES", 48 * 2 * 2 * 2 * 8 * 4)  # 48 tokens of batch 2, 2 x 8 fp32
     config, settings = tiny_bench_config(), settings_from(argparse.Namespace(device="cpu"))
     model = build_model(config, torch.device("cpu"), torch.float32, seed=0)
     caches = {}
     for name in ("dynamic", "static", "flexicache-64"):
         system = System(name)
         model.set_attn_implementation(system.attn_implementation)
-        caches[name] = system.make_cache(config, 120, settings)
-        ids = fill_cache(model, caches[name], batch=2, context=100, seed=0)
+        caches[name] = cache = system.make_cache(config, 120, settings)
+        writes = []
+        update = cache.update
+        cache.update = lambda keys, *args, update=update, writes=writes: writes.append(keys.shape[2]) or update(
+            keys, *args)
+        ids = fill_cache(model, cache, batch=2, context=100, seed=0)
+        assert writes == [48, 48, 48, 48, 4, 4]  # three chunks, each through both layers
         assert ids.shape == (2, 101)
         assert caches[name].get_seq_length() == 100
     for layer in range(config.num_hidden_layers):

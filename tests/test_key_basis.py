@@ -62,6 +62,30 @@ def test_the_fast_cuda_basis_is_orthonormal_and_as_tight_as_eighs(dtype: torch.d
     assert float(widths(exact)) < 0.6 * float(widths(identity.expand(64, 128, 128)))  # the axes matter here
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_half_precision_keys_get_axes_as_tight_as_float32_keys() -> None:
+    """bf16 keys on CUDA: covariances from tensor-core products of the rounded centred keys, keys turned in bf16;
+    the axes are orthonormal and the page boxes as tight as those of the same keys in float32."""
+    generator = torch.Generator(device="cuda").manual_seed(4)
+    spread = torch.logspace(1, -2, 128, device="cuda")
+    keys = torch.randn(2, 4, 2048, 128, generator=generator, device="cuda") * spread + 3.0  # far from centred
+    keys = (keys @ torch.linalg.qr(torch.randn(128, 128, generator=generator, device="cuda")).Q).bfloat16()
+    half, full = KeyBasis.principal_axes(keys, None), KeyBasis.principal_axes(keys.float(), None)
+    assert half.matrix.dtype == torch.float32
+    identity = torch.eye(128, device="cuda")
+    assert float((half.matrix.mT @ half.matrix - identity).abs().max()) <= 1e-5
+    turned = half.chunk(keys)
+    assert turned.dtype == torch.bfloat16
+    exact = keys.float() @ half.matrix
+    assert float((turned.float() - exact).abs().max()) <= 1e-2 * float(exact.abs().max())  # bf16 rounding
+
+    def widths(turned_keys: torch.Tensor) -> torch.Tensor:
+        pages = turned_keys.float().unflatten(2, (128, 16))
+        return (pages.amax(3) - pages.amin(3)).sum(-1).mean()
+
+    torch.testing.assert_close(widths(turned), widths(full.chunk(keys.float())), rtol=1e-2, atol=0)
+
+
 def test_scores_are_the_box_scores_of_the_turned_keys_and_turning_keeps_dot_products() -> None:
     generator = torch.Generator().manual_seed(1)
     keys = torch.randn(1, 2, 32, 8, generator=generator, dtype=torch.float64)

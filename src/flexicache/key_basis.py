@@ -74,12 +74,20 @@ class KeyBasis:
         weights = (torch.ones(batch_size, length, dtype=dtype, device=keys.device) if valid is None
                    else valid.to(device=keys.device, dtype=dtype))
         counts = weights.sum(dim=1)
+        # On CUDA, half-precision keys are centred in float32, rounded back and multiplied on the tensor cores with
+        # float32 sums (the axes only shape the boxes: a rounding of the centred keys barely turns them); float32
+        # products take ~15x longer there.
+        tensor_cores = keys.is_cuda and keys.dtype in (torch.float16, torch.bfloat16)
         for request in range(batch_size):  # one covariance per request (padding differs), no host sync
             weight = weights[request].view(1, length, 1)
             real = keys[request].to(dtype)
             mean = (real * weight).sum(dim=1, keepdim=True) / counts[request].clamp(min=1)
             centred = (real - mean) * weight
-            torch.bmm(centred.transpose(1, 2), centred, out=covariance[request])
+            if tensor_cores:
+                centred = centred.to(keys.dtype)
+                covariance[request] = torch.bmm(centred.transpose(1, 2), centred, dtype)
+            else:
+                torch.bmm(centred.transpose(1, 2), centred, out=covariance[request])
         axes = symmetric_eigenvectors(covariance.flatten(0, 1)).view_as(covariance)
         identity = torch.eye(head_dim, dtype=dtype, device=keys.device)
         return cls(torch.where((counts == 0).view(batch_size, 1, 1, 1), identity, axes))
@@ -89,7 +97,10 @@ class KeyBasis:
         return self.matrix.numel() * self.matrix.element_size()
 
     def chunk(self, keys: torch.Tensor) -> torch.Tensor:
-        """``keys [B, H, T, D]`` in the rows' axes."""
+        """``keys [B, H, T, D]`` in the rows' axes, in the keys' dtype where that is below float32 (the page boxes
+        keep it: a float32 product would only be rounded back), else in the basis' dtype."""
+        if keys.element_size() < 4:
+            return torch.matmul(keys, self.matrix.to(keys.dtype))
         return torch.matmul(keys.to(self.matrix.dtype), self.matrix)
 
     def token(self, keys: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

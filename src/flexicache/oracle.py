@@ -106,7 +106,8 @@ class OracleLayer(DynamicLayer):
         settings = self.settings
         if self.basis is not None:  # None: a cache started token by token keeps the model's axes, as FlexiCache
             basis = self.basis.select(torch.tensor([request]))
-            keys, grouped = basis.chunk(keys.unsqueeze(0))[0], basis.rows(grouped)
+            grouped = basis.rows(grouped)
+            keys = basis.chunk(keys.unsqueeze(0))[0].to(grouped.dtype)
         pages = box_top_pages(grouped, keys, settings, self.candidates * settings.pages_per_head)
         return page_mask(pages, -(-keys.shape[1] // settings.page_size))
 

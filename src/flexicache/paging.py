@@ -67,15 +67,21 @@ class PageMetadata:
             self.kmin[plan.batch, :, plan.page] = torch.where(opens, new_keys, torch.minimum(current_min, new_keys))
             self.kmax[plan.batch, :, plan.page] = torch.where(opens, new_keys, torch.maximum(current_max, new_keys))
             return
-        # Several tokens per page: fold them into a compact copy of the touched pages only.
+        # Several tokens per page: the touched pages' tokens laid out as ``[U, ps, H, D]`` blocks (the rest of a page
+        # padded with the reduction's identity) and reduced over the page; a page the chunk continues keeps its old
+        # tokens' min/max (a page it opens starts empty). No atomics: one pass per bound.
         self.kmin[plan.new_page_batch, :, plan.new_page_index] = float("inf")
         self.kmax[plan.new_page_batch, :, plan.new_page_index] = float("-inf")
-        touched, inverse = torch.unique(plan.batch * self.kmin.shape[2] + plan.page, return_inverse=True)
-        touched_batch, touched_page = touched // self.kmin.shape[2], touched % self.kmin.shape[2]
-        index = inverse.view(-1, 1, 1).expand(-1, num_heads, head_dim)
-        for meta, reduce in ((self.kmin, "amin"), (self.kmax, "amax")):
-            folded = meta[touched_batch, :, touched_page].scatter_reduce_(0, index, new_keys, reduce)
-            meta[touched_batch, :, touched_page] = folded
+        capacity = self.kmin.shape[2]
+        touched, inverse = torch.unique(plan.batch * capacity + plan.page, return_inverse=True)
+        touched_batch, touched_page = touched // capacity, touched % capacity
+        blocks = new_keys.new_empty(touched.numel(), plan.page_size, num_heads, head_dim)
+        for meta, empty, reduce, combine in ((self.kmin, float("inf"), torch.amin, torch.minimum),
+                                             (self.kmax, float("-inf"), torch.amax, torch.maximum)):
+            blocks.fill_(empty)
+            blocks[inverse, plan.offset] = new_keys
+            meta[touched_batch, :, touched_page] = combine(meta[touched_batch, :, touched_page],
+                                                           reduce(blocks, dim=1))
 
     def clear_pages(self, batch: torch.Tensor, page: torch.Tensor) -> None:
         """Forget pages ``page [n]`` of requests ``batch [n]`` (every head): min ``+inf``, max ``-inf``, as never

@@ -11,7 +11,16 @@ from typing import Any
 
 from flexicache.benchmarks.memory import prefill_text
 from flexicache.benchmarks.rerank import rerank_summary
-from flexicache.benchmarks.results import case_rows, find, loop_for, memory_full, peak_of, size, step_full_depth
+from flexicache.benchmarks.results import (
+    batch_bound,
+    case_rows,
+    find,
+    loop_for,
+    memory_full,
+    peak_of,
+    size,
+    step_full_depth,
+)
 from flexicache.benchmarks.suite import full_layers
 
 
@@ -128,7 +137,7 @@ def throughput_headlines(results: dict[str, Any]) -> list[str]:
         if not row["system"].startswith("flexicache") or not dynamic or not row.get("largest_batch"):
             continue
         text = (f"{row['system']}: largest batch at {row['context']} tokens {row['largest_batch']} (bound: "
-                f"{row['bound']}; {full_layers(row['model'])} layers, "
+                f"{batch_bound(row)}; {full_layers(row['model'])} layers, "
                 f"{'ran' if row.get('layers') == full_layers(row['model']) else 'estimated from measured bytes'}) "
                 "vs DynamicCache's "
                 f"{dynamic['largest_batch']}")

@@ -49,19 +49,22 @@ def random_ids(batch: int, length: int, vocab_size: int, device: torch.device, s
     return torch.randint(1, vocab_size, (batch, length), generator=generator, device=device)
 
 
-FILL_CHUNK_TOKENS = 4096  # tokens per request that :func:`fill_cache` writes at a time
+FILL_CHUNK_BYTES = 2**30  # random keys + values that :func:`fill_cache` writes per chunk (32k x batch 8 of an 8B model)
 
 
 @torch.no_grad()
 def fill_cache(model: Any, cache: Cache, batch: int, context: int, seed: int) -> torch.Tensor:
-    """Put ``context`` random keys/values per request into ``cache`` as a chunked prefill would (chunks of
-    :data:`FILL_CHUNK_TOKENS`, each through every layer), without running the model (a batched long prefill would
-    not fit; the chunks keep the random tensors small beside a nearly full device). Returns input ids
-    ``[batch, context + 1]`` whose last token is the first one ``generate`` decodes."""
+    """Put ``context`` random keys/values per request into ``cache`` layer by layer, as a prefill would, without
+    running the model (a batched long prefill would not fit): in one chunk, or where that chunk's keys and values
+    would pass :data:`FILL_CHUNK_BYTES` as a chunked prefill would (chunks through every layer in turn; small
+    random tensors beside a nearly full device). Returns input ids ``[batch, context + 1]`` whose last token is the
+    first one ``generate`` decodes."""
     config, device, dtype = model.config, model.device, model.dtype
     generator = torch.Generator(device=device).manual_seed(seed)
-    for start in range(0, context, FILL_CHUNK_TOKENS):
-        length = min(FILL_CHUNK_TOKENS, context - start)
+    token_bytes = 2 * batch * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    chunk = max(1, FILL_CHUNK_BYTES // token_bytes)
+    for start in range(0, context, chunk):
+        length = min(chunk, context - start)
         kv_shape = (batch, config.num_key_value_heads, length, config.head_dim)
         positions = torch.arange(start, start + length, device=device)
         for index, layer in enumerate(model.model.layers):

@@ -13,6 +13,7 @@ from flexicache.benchmarks.rerank import rerank_summary
 from flexicache.benchmarks.results import (
     GIB,
     NA,
+    batch_bound,
     cell,
     find,
     fmt,
@@ -222,7 +223,7 @@ def throughput_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> s
     out = []
     for row in rows:
         dyn = find(rows, system="dynamic", model=row["model"])
-        line = [row["model"], row["system"], str(row["largest_batch"]), row["bound"],
+        line = [row["model"], row["system"], str(row["largest_batch"]), batch_bound(row),
                 fmt(dyn and dyn["largest_batch"] and row["largest_batch"] / dyn["largest_batch"]),
                 size(row["device_bytes_per_sequence_full"]), size(row["host_bytes_per_sequence_full"]),
                 fmt(row.get("step_ms_p50")), fmt(row.get("tokens_per_s"), 0),
@@ -253,7 +254,7 @@ def throughput_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> s
                      f"{row['estimated_batch']}); " + (f"batch {row['largest_batch']} ran." if row.get("step_ms_p50")
                                                       else "no smaller batch tried ran."))
     for row in rows:
-        if row["bound"] != "host":
+        if batch_bound(row) != "host":
             continue
         facts = host_bound_facts(results, row)
         dyn = find(rows, system="dynamic", model=row["model"])
@@ -273,7 +274,7 @@ def throughput_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> s
             text += (f" Even at the bare KV the host holds {facts['batch_at_kv']} sequences, short of the {need} "
                      f"that 1.5x DynamicCache's {dyn['largest_batch']} needs ({need} x {size(facts['kv'])} = "
                      f"{size(need * facts['kv'])} > {size(facts['limit'])}).")
-    if not with_full:
+    if not with_full and layers < full_n:
         text += (f"\n\nFull-depth ({full_n}-layer) tokens/s: "
                  + (NA if any(why == NA for _, why in estimates.values()) else "not measured")
                  + f"; tokens/s above are measured on {layers} layers at the full-depth largest batch.")
@@ -308,7 +309,7 @@ def mix_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     if partial_:
         text += ("\n\nDecode time, req/s and tok/s are estimates: the steps not measured count at the batch's "
                  f"median measured step ({layers} layers).")
-    if not with_full:
+    if not with_full and layers < full_layers(rows[0]["model"]):
         text += (f"\n\nFull-depth ({full_layers(rows[0]['model'])}-layer) req/s: "
                  + (NA if any(why == NA for _, why in estimates.values()) else "not measured") + ".")
     return text

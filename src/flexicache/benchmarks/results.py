@@ -135,3 +135,9 @@ def host_bound_facts(results: dict[str, Any], row: dict[str, Any]) -> dict[str, 
     if facts.get("kv"):
         facts["batch_at_kv"] = math.floor(row["host_limit_bytes"] / facts["kv"])
     return facts
+
+
+def batch_bound(row: dict[str, Any]) -> str:
+    """What bounds a throughput row's batch: the estimate's bound, or the device where the estimate ran out of its
+    memory."""
+    return "device (ran out above)" if row.get("out_of_memory_at") else row["bound"]

@@ -197,8 +197,10 @@ def run_mix(suite: Suite, model_name: str, result: CaseResult) -> None:
             f"{len(requests)} requests, inputs {s.mix_input[0]}-{s.mix_input[1]} tokens, outputs "
             f"{s.mix_output[0]}-{s.mix_output[1]} (log-uniform), static batches of {s.mix_batch} sorted by input, "
             f"real prefill; at most {s.mix_max_steps} decode steps per batch measured, the rest counted at the "
-            f"batch's median step. `full_depth`: prefill x {full_layers(model_name)}/{s.layers}, steps "
-            f"extrapolated with the loop calibration (none when it is inconsistent). Lengths: {requests}")
+            "batch's median step. "
+            + (f"`full_depth`: prefill x {full_layers(model_name)}/{s.layers}, steps extrapolated with the loop "
+               "calibration (none when it is inconsistent). " if s.layers < full_layers(model_name) else "")
+            + f"Lengths: {requests}")
     for system in systems(s.mix_systems):
         label = {"model": model_name, "system": system.name}
         suite.attempt(result, label, partial(measure_mix, suite, model_name, system, requests))
