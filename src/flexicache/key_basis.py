@@ -55,8 +55,9 @@ def symmetric_eigenvectors(matrices: torch.Tensor) -> torch.Tensor:
 
 
 class KeyBasis:
-    """Orthonormal axes ``matrix [B, H, D, D]`` of one layer's (request, KV head) rows; vectors turned into them come
-    out in its dtype (float32, or float64 for float64 keys)."""
+    """Orthonormal axes ``matrix [B, H, D, D]`` (float32, or float64 for float64 keys) of one layer's (request, KV
+    head) rows; vectors turned into them come out in its dtype, except a chunk of half-precision keys, which stays in
+    theirs (:meth:`chunk`)."""
 
     def __init__(self, matrix: torch.Tensor) -> None:
         self.matrix = matrix

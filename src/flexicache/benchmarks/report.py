@@ -354,6 +354,7 @@ def setup_lines(results: dict[str, Any]) -> list[str]:
                 f"FlashInfer {env['flashinfer'] or 'not installed'}"]
     software += [f"triton {env['triton']}"] if env.get("triton") else []
     software += [f"CUDA {env['cuda']}"] if env.get("cuda") else []
+    software += [f"PYTORCH_CUDA_ALLOC_CONF={env['cuda_alloc_conf']}"] if env.get("cuda_alloc_conf") else []
     graphs = f"; CUDA graphs: {settings['cuda_graphs']}" if settings.get("cuda_graphs") else ""
     standby = settings.get("standby_pages", 0)  # runs that do not record it predate standby pages
     standby = {0: "no standby pages", "0": "no standby pages", "auto": "standby pages K // 4"}.get(

@@ -265,6 +265,7 @@ def environment(settings: Settings) -> dict[str, Any]:
         "flexicache": package_version("flexicache"),
         "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "host_ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),  # e.g. expandable segments: changes what fits
     }
     if settings.torch_device.type == "cuda":
         properties = torch.cuda.get_device_properties(settings.torch_device)
