@@ -52,6 +52,17 @@ def test_overlap_ignores_padding(case, pad):
     assert int(overlap_counts(ta, tb)) == len(set(a) & set(b))
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 30), max_size=12, unique=True), min_size=1, max_size=6),
+       st.lists(st.integers(0, 30), max_size=9, unique=True), st.integers(0, 3))
+def test_overlap_counts_sets_in_any_order_of_other_widths_against_one_broadcast_set(rows, other, pad):
+    """Rows of ``a`` (unsorted, padded to a common width) against one set ``b`` of another width, broadcast."""
+    width = max(len(row) for row in rows) + pad
+    a = torch.tensor([row + [-1] * (width - len(row)) for row in rows], dtype=torch.long).view(len(rows), width)
+    b = torch.tensor(other[::-1] + [-1] * pad, dtype=torch.long).view(1, len(other) + pad)
+    assert overlap_counts(a, b).tolist() == [len(set(row) & set(other)) for row in rows]
+
+
 def test_rco_is_zero_in_expectation_for_independent_random_sets():
     generator = torch.Generator().manual_seed(0)
     n, k, trials = 64, 16, 20000

@@ -18,9 +18,16 @@ import torch
 
 
 def overlap_counts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``|a ∩ b|`` of page sets ``a``, ``b`` ``[..., K]`` (distinct entries, ``-1`` padding) -> ``[...]`` int64."""
-    equal = (a.unsqueeze(-1) == b.unsqueeze(-2)) & (a.unsqueeze(-1) >= 0)
-    return equal.sum(dim=(-2, -1))
+    """``|a ∩ b|`` of page sets ``a [..., Ka]``, ``b [..., Kb]`` (distinct entries, ``-1`` padding; leading dims
+    broadcast) -> ``[...]`` int64: each entry of ``a`` looked up in ``b`` sorted (``K log K`` per set, not the
+    ``K x K`` comparisons, which cost a prompt's head split ~10 ms per layer at K = 128 on a GPU)."""
+    leading = torch.broadcast_shapes(a.shape[:-1], b.shape[:-1])
+    a, b = a.expand(*leading, a.shape[-1]), b.expand(*leading, b.shape[-1])
+    if a.shape[-1] == 0 or b.shape[-1] == 0:
+        return torch.zeros(leading, dtype=torch.long, device=a.device)
+    present = b.masked_fill(b < 0, torch.iinfo(b.dtype).max).sort(dim=-1).values.contiguous()  # padding last
+    position = torch.searchsorted(present, a.contiguous()).clamp(max=b.shape[-1] - 1)
+    return ((present.gather(-1, position) == a) & (a >= 0)).sum(dim=-1)
 
 
 def random_corrected_overlap(
