@@ -83,6 +83,8 @@ def command_of(config: dict) -> str:
         values = value if isinstance(value, list) else [value]
         values = [Path(str(v)).name if key == "data" else _option_value(v) for v in values]
         parts.append(f"--{key.replace('_', '-')} {' '.join(values)}")
+    if config.get("seed"):  # 0 is the default
+        parts.append(f"--seed {config['seed']}")
     if config.get("oracle"):
         parts.append("--oracle")
     if config.get("oracle_candidates"):
