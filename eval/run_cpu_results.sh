@@ -131,6 +131,9 @@ for model in ${models[@]}; do
             eval_cpu --model gemma3 --suite synthetic --seed 1 \
                 --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
                 --method budget=1024,exact_rescore=true --out "$root/levers/gemma3-synthetic-8k-niah-exact-seed1"
+            eval_cpu --model gemma3 --suite synthetic --seed 2 \
+                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
+                --method budget=1024,exact_rescore=true --out "$root/levers/gemma3-synthetic-8k-niah-exact-seed2"
             eval_cpu --model gemma3 --suite ppl --page-size 8 \
                 --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
