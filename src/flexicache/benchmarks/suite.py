@@ -83,8 +83,9 @@ def system_options(name: str) -> dict[str, Any]:
 class System:
     """A cache configuration, by name: ``dynamic`` (DynamicCache + sdpa), ``dynamic-offload`` (DynamicCache with
     ``offloading=True``), ``static`` (StaticCache + sdpa, sized for the run's tokens), ``dense`` (FlexiCache, every
-    head on the device, budget covering the context: dense FlashInfer decode), ``flexicache-<budget>`` (stable/unstable profile) and ``quest-<budget>`` (every head
-    unstable: all pages on the device, rerank every step); FlexiCache settings may follow a colon
+    head on the device, budget covering the context: dense FlashInfer decode), ``flexicache-<budget>``
+    (stable/unstable profile) and ``quest-<budget>`` (every head unstable: all pages on the device, rerank every
+    step); FlexiCache settings may follow a colon
     (``flexicache-1024:spread_weight=1.0``; ``profile=online``: the head split estimated from the prompt in place of
     the random profile)."""
 
