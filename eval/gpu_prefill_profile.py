@@ -3,13 +3,16 @@
 Times 2 GiB of page-locked host memory from ``torch.zeros(..., pin_memory=True)`` (``cudaHostAlloc``) and from
 :func:`flexicache.host_memory.pinned_zeros` (allocation and freeing), copies into and out of the latter, then the
 prefill (``update`` + ``commit``) of Llama-3.1-8B-shaped layers of ``--context`` tokens x batch ``--batch`` one
-after another, the last under the torch profiler (tables by CUDA and by CPU time).
+after another, the last under the torch profiler (tables by CUDA and by CPU time). With ``--online-split`` the cache
+has no profile (the library's default): each layer's commit first estimates its head split from the last
+:data:`~flexicache.head_split.WINDOW` queries of the prompt.
 
 With ``--chunk N`` the layers' prefill runs as a chunked forward does it (each chunk of ``N`` tokens through every
 layer, all chunks of a layer in one cache), every chunk timed, the last one also under cProfile (host time by
 function: where growing the cache's buffers costs).
 
-Usage: ``python eval/gpu_prefill_profile.py [--context 32768] [--batch 8] [--layers 6] [--chunk 4096]``
+Usage: ``python eval/gpu_prefill_profile.py [--context 32768] [--batch 8] [--layers 6] [--chunk 4096]
+[--online-split]``
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 from flexicache import FlexiCache, handoff
 from flexicache.benchmarks.attention import Shape, random_profile
 from flexicache.benchmarks.suite import empty_pinned_cache
+from flexicache.head_split import WINDOW
 from flexicache.host_memory import pinned_zeros
 
 GIB = 2**30
@@ -89,13 +93,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--chunk", type=int, default=0, help="prefill in chunks of this many tokens (0: one)")
+    parser.add_argument("--online-split", action="store_true", help="no profile: each layer estimates its head split")
     args = parser.parse_args()
     page_locking()
     shape = Shape(num_layers=args.layers)
     torch.manual_seed(0)
-    cache = FlexiCache(shape.config(), profile=random_profile(shape, 0.25), token_budget=1024)
-    query = torch.randn(args.batch, shape.num_kv_heads * shape.group, 1, shape.head_dim, dtype=torch.bfloat16,
-                        device="cuda")
+    head_profile = None if args.online_split else random_profile(shape, 0.25)
+    cache = FlexiCache(shape.config(), profile=head_profile, token_budget=1024)
+    query = torch.randn(args.batch, shape.num_kv_heads * shape.group, WINDOW if args.online_split else 1,
+                        shape.head_dim, dtype=torch.bfloat16, device="cuda")
     keys = torch.randn(args.batch, shape.num_kv_heads, args.context, shape.head_dim, dtype=torch.bfloat16,
                        device="cuda")
     values = torch.randn_like(keys)

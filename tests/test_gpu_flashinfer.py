@@ -177,6 +177,29 @@ def test_host_tier_round_trip_is_bit_exact() -> None:
         assert torch.equal(values[selector], expected_v[selector])
 
 
+def test_prompt_copies_into_the_host_tier_are_awaited_by_its_readers() -> None:
+    """A prompt's stable KV reaches the host tier by copies on a side stream while the next layers compute; the commit
+    reads its staged device copy, and every later reader waits for the copies: read back right after the prefill
+    forward (the last layers' copies still queued), the tier holds exactly the prompt's keys and values."""
+    model = tiny_model(4)
+    profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim, unstable_heads=[(0, 1)])
+    ids = torch.randint(0, 512, (8, 4096), device="cuda")
+    cache = FlexiCache(model.config, profile=profile, token_budget=64, backend="flashinfer")
+    dense = DynamicCache(config=model.config)
+    model.set_attn_implementation("flexicache")
+    with torch.inference_mode():
+        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        stable = [layer.storage.offloaded for layer in cache.layers]
+        assert all(pages.staged is None and pages.tier_written is not None for pages in stable)
+        read_back = [layer.read_logical() for layer in cache.layers]
+        model.set_attn_implementation("sdpa")
+        model(ids, past_key_values=dense, use_cache=True, logits_to_keep=1)
+    assert all(pages.tier_written is None for pages in stable)
+    for (keys, values), dense_layer in zip(read_back, dense.layers, strict=True):
+        assert torch.equal(keys, dense_layer.keys)
+        assert torch.equal(values, dense_layer.values)
+
+
 def listed_pages(table: tuple[torch.Tensor, torch.Tensor]) -> list[list[tuple[int, int]]]:
     """Each row's listed ``(slot, length)`` entries in order (where an entry sits in the padded row is free)."""
     slots, lens = (tensor.tolist() for tensor in table)

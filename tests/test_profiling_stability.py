@@ -81,6 +81,38 @@ def test_rco_undefined_when_every_page_is_selected():
     assert math.isnan(float(random_corrected_overlap(pages, pages, 4, 3)))
 
 
+def step_sets(seed: int, steps: int, heads: int, k: int, start_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[steps, heads, k]`` random page sets (ascending, ``-1`` padding where fewer pages exist) over a page count
+    growing by one every second step from ``start_pages``, and that count ``[steps]``."""
+    generator = torch.Generator().manual_seed(seed)
+    num_pages = start_pages + torch.arange(steps) // 2
+    pages = torch.full((steps, heads, k), -1, dtype=torch.long)
+    for step, n in enumerate(num_pages.tolist()):
+        chosen = torch.rand(heads, n, generator=generator).argsort(dim=1)[:, :k].sort(dim=1).values
+        pages[step, :, : chosen.shape[1]] = chosen
+    return pages, num_pages
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10**6), st.integers(1, 40), st.integers(1, 6), st.integers(1, 20), st.integers(1, 12),
+       st.sampled_from([1, 7, 2**24]))
+def test_rco_by_distance_equals_the_mean_over_pairs_of_each_distance(seed, steps, k, max_distance, start, chunk):
+    """Every valid pair at once (in chunks of any size) gives exactly the per-distance means of the pairs' RCO."""
+    pages, num_pages = step_sets(seed, steps, 3, k, start)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("flexicache.profiling.stability.PAIR_CHUNK_ENTRIES", chunk)
+        curve, pairs = rco_by_distance(pages, num_pages, k, max_distance)
+    for d in range(1, max_distance + 1):
+        valid = [t for t in range(steps - d) if num_pages[t] > k] if d < steps else []
+        assert int(pairs[d - 1]) == len(valid)
+        if not valid:
+            assert torch.isnan(curve[d - 1]).all()
+            continue
+        expected = torch.stack([random_corrected_overlap(pages[t], pages[t + d], k, int(num_pages[t + d]))
+                                for t in valid]).mean(dim=0)
+        torch.testing.assert_close(curve[d - 1], expected, rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
 def test_rco_by_distance_skips_steps_without_enough_pages():
     k = 2
     # step t: pages {0, t+1}; num_pages grows 2, 3, 4, 5: the first step (N = K) has no defined RCO

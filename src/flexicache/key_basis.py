@@ -98,11 +98,12 @@ class KeyBasis:
         return self.matrix.numel() * self.matrix.element_size()
 
     def chunk(self, keys: torch.Tensor) -> torch.Tensor:
-        """``keys [B, H, T, D]`` in the rows' axes, in the keys' dtype where that is below float32 (the page boxes
-        keep it: a float32 product would only be rounded back), else in the basis' dtype."""
-        if keys.element_size() < 4:
-            return torch.matmul(keys, self.matrix.to(keys.dtype))
-        return torch.matmul(keys.to(self.matrix.dtype), self.matrix)
+        """``keys [B, H, T, D]`` in the rows' axes: the basis' dtype's product, rounded to the keys' dtype where
+        that is below float32 (the page boxes keep it). As :meth:`token` turns a key (a product in the basis' dtype,
+        rounded where the boxes store it), so a page's box is the same whether its keys came in a chunk or one by
+        one (a crop refolds a page from its keys in a chunk)."""
+        turned = torch.matmul(keys.to(self.matrix.dtype), self.matrix)
+        return turned.to(keys.dtype) if keys.element_size() < 4 else turned
 
     def token(self, keys: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row, ``keys [B, H, D]``, in the rows' axes (into ``out [B, H, D]`` when given: a

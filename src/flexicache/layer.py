@@ -178,6 +178,7 @@ class FlexiLayer(CacheLayerMixin):
             if width:
                 self.path.rerank_stable(_detached(query[:, :, -1]), plan.after, width, decode=False)
                 offloaded.counters.reranks += offloaded.num_rows
+            offloaded.release_staged()
             # Stagger: layer l reranks at decode steps where (step + l) % interval == 0, so no step pays them all.
             offloaded.steps_since_rerank = self.layer_idx % self.settings.rerank_interval
             offloaded.steps_since_prompt = 0
@@ -268,6 +269,8 @@ class FlexiLayer(CacheLayerMixin):
             The key of the recorded work: whether the stable heads rerank, and the storage it reads.
         """
         plan = self.graphed_step_plan()
+        if self.storage.offloaded is not None:  # before the recorded work (a capture cannot wait on it)
+            self.storage.offloaded.await_tier_writes()
         self.reserve_graphed_step(plan)
         key = self.graphed.prepare_recording(plan, self.rerank_due(plan))
         self.finish_graphed_step(plan)

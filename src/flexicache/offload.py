@@ -17,10 +17,17 @@ Promotions add the centre back.
 On CUDA with Triton, page moves between the pinned host tier and the device run as zero-copy kernels
 (:mod:`flexicache.backends.triton_transfer`) driven by device-side indices: reranks, promotions and tail
 retirements never synchronise the host with the device. Elsewhere they use torch indexing.
+
+A prompt's first chunk (on that path) is written into a device copy of the tier's layout (*staged*) and reaches the
+tier by asynchronous copies on a side stream, so the link's transfer (the whole prompt's stable KV) runs while the
+next layers compute. The commit's tail refresh and first rerank read the staged copy; it is dropped when the commit
+ends (:meth:`OffloadedPages.release_staged`), and every later use of the tier waits for the copies first
+(:meth:`OffloadedPages.await_tier_writes`, on the device: the host is never blocked).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +43,16 @@ from flexicache.sequence import AppendPlan, host_to_device, per_row
 def zero_copy_available(device: torch.device) -> bool:
     """Whether page moves between the host tier and ``device`` run as zero-copy Triton kernels (CUDA + Triton)."""
     return device.type == "cuda" and triton_available()
+
+
+_TIER_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def tier_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream that copies staged prompt chunks into host tiers on ``device`` (one per device)."""
+    if device not in _TIER_STREAMS:
+        _TIER_STREAMS[device] = torch.cuda.Stream(device)
+    return _TIER_STREAMS[device]
 
 
 @dataclass
@@ -60,7 +77,10 @@ class OffloadedPages:
     ``selected``: ``[B * h, K - 1 + C]`` page held by each working-set slot (``-1`` = empty);
     ``selected_scores``: ``[B * h, K - 1 + C]`` score of that page at the last rerank or, with standby pages, at the
     last decode step (``+inf`` = keep: the sink, a retired tail until it is scored);
-    ``key_centre``: ``[B * h, D]`` what the host tier's keys are stored less (a narrower tier only, else ``None``).
+    ``key_centre``: ``[B * h, D]`` what the host tier's keys are stored less (a narrower tier only, else ``None``);
+    ``staged``: a first prompt chunk's ``(k, v)`` on the device in the tier's layout and dtype, until its commit ends;
+    ``tier_written``: the event after the side stream's copies of the staged chunk into the tier (``None``: none
+    pending).
     """
 
     def __init__(self, pool: PagePool, batch_size: int, num_heads: int, pages_per_head: int, page_size: int,
@@ -84,6 +104,8 @@ class OffloadedPages:
         self.steps_since_rerank = 0
         self.steps_since_prompt = 0  # decode steps since the last prompt chunk (the rerank warm-up)
         self.zero_copy = zero_copy_available(device)
+        self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.tier_written: torch.cuda.Event | None = None
         if self.zero_copy:  # counted on the device, in place (a whole-step CUDA graph replays the additions)
             self.counters.promoted_pages = torch.zeros((), dtype=torch.long, device=device)
             self.counters.bytes_h2d = torch.zeros((), dtype=torch.long, device=device)
@@ -132,6 +154,7 @@ class OffloadedPages:
         kernel launch (:func:`~flexicache.backends.triton_transfer.retire_tails`).
         """
         self._reserve_host(int(plan.before_host.max()) // self.page_size)
+        self.await_tier_writes()
         if self.zero_copy:
             from flexicache.backends.triton_transfer import retire_tails
 
@@ -171,6 +194,7 @@ class OffloadedPages:
         ``before [B]`` (tokens before this step): one launch at every step (zero-copy path only)."""
         from flexicache.backends.triton_transfer import retire_tails
 
+        self.await_tier_writes()
         retire_tails(self._device_pages(), self.host.pages(), self.selected, self.selected_scores,
                      self.all_requests, before, self.base, self.num_heads, self.host.k.shape[2], self.page_size,
                      full_only=True, centre=self.key_centre)
@@ -191,11 +215,12 @@ class OffloadedPages:
     def _to_device(self, host_index: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> None:
         """``pool[slots[i]] = host page host_index[i]`` (keys and values) where ``mask[i]``: cast to the KV dtype,
         the keys' centre added back."""
-        self._move(self.host.pages(), self._device_pages(), host_index, slots, mask, 1)
+        self._move(self._tier_pages(), self._device_pages(), host_index, slots, mask, 1)
 
     def _to_host(self, slots: torch.Tensor, host_index: torch.Tensor, mask: torch.Tensor) -> None:
         """``host page host_index[i] = pool[slots[i]]`` where ``mask[i]``: the keys less their centre, cast to the
         tier's dtype."""
+        self.await_tier_writes()
         self._move(self._device_pages(), self.host.pages(), slots, host_index, mask, -1)
 
     def _move(self, source: tuple[torch.Tensor, torch.Tensor], target: tuple[torch.Tensor, torch.Tensor],
@@ -248,9 +273,11 @@ class OffloadedPages:
     def append_chunk(self, new_keys: torch.Tensor, new_values: torch.Tensor, plan: AppendPlan) -> None:
         """Several tokens (prefill or extend, ``[N, h, D]`` in plan order): everything goes to the host tier.
 
-        The caller reranks right after, which fills the selection slots; the tail slot is refreshed here.
+        The caller reranks right after, which fills the selection slots, then calls :meth:`release_staged`; the tail
+        slot is refreshed here. A first chunk on the zero-copy path is staged (see the module's docstring).
         """
         self._reserve_host(plan.max_pages_after)
+        self.await_tier_writes()
         device = self.pool.k.device
         started = host_to_device((plan.before_host > 0).nonzero().view(-1), device)
         if started.numel():  # the old tail page may be partial and exist on the device only
@@ -260,8 +287,14 @@ class OffloadedPages:
         if self.zero_copy:  # the device writes the tokens into the pinned tier (and reads the tails back): no sync
             from flexicache.backends.triton_transfer import write_tokens
 
-            write_tokens(new_keys, new_values, self.host.pages(), plan.batch, plan.page, plan.offset,
+            first_chunk = not bool(plan.before_host.any())
+            if first_chunk:  # the same bytes the tier gets, written on the device first
+                self.staged = (torch.empty_like(self.host.k, device=device),
+                               torch.empty_like(self.host.v, device=device))
+            write_tokens(new_keys, new_values, self._tier_pages(), plan.batch, plan.page, plan.offset,
                          self.host.k.shape[2], centre=self.key_centre)
+            if first_chunk:
+                self._copy_staged_to_tier(plan.max_pages_after)
         else:
             batch_host, page_host, offset_host = plan.batch.cpu(), plan.page.cpu(), plan.offset.cpu()
             self.host.k[batch_host, :, page_host, offset_host] = self._host_keys(new_keys, plan.batch).to(
@@ -273,6 +306,50 @@ class OffloadedPages:
                         torch.ones_like(tail_slots, dtype=torch.bool))
         self.counters.bytes_h2d += self.host_page_bytes(requests.numel() * self.num_heads)
 
+    def _copy_staged_to_tier(self, num_pages: int) -> None:
+        """Copy every row's first ``num_pages`` staged pages into the tier: on CUDA queued on the side stream (after
+        the current stream's work so far), :attr:`tier_written` recorded after them; elsewhere at once."""
+        device = self.pool.k.device
+        side = tier_stream(device) if device.type == "cuda" else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for staged, tier in zip(self.staged, (self.host.k, self.host.v), strict=True):
+                staged_rows, tier_rows = staged.flatten(0, 1), tier.flatten(0, 1)  # [B * h, P, ps, D], views
+                for row in range(tier_rows.shape[0]):  # a row's pages are contiguous in both
+                    tier_rows[row, :num_pages].copy_(staged_rows[row, :num_pages], non_blocking=True)
+        if side is None:
+            return
+        for staged in self.staged:
+            staged.record_stream(side)  # its blocks are reused only once the copies are done
+        self.tier_written = torch.cuda.Event()
+        self.tier_written.record(side)
+
+    def release_staged(self) -> None:
+        """The commit that staged a first chunk has ended: later reads of the tier wait for its copies."""
+        self.staged = None
+
+    def await_tier_writes(self) -> None:
+        """Order the current stream's next work after the staged chunk's copies into the tier (if any are pending);
+        no host sync. Call before any use of the tier outside the commit that staged them, and never while a CUDA
+        graph is being captured (a step graph's host side calls it first)."""
+        if self.tier_written is None:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("FlexiCache internal error: a CUDA graph capture reached a host tier whose prompt "
+                               "copies were not awaited before it.")
+        torch.cuda.current_stream(self.pool.k.device).wait_event(self.tier_written)
+        self.tier_written = None
+
+    def _tier_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tier's pages to read (:meth:`HostTier.pages`' layout): the staged chunk while its commit runs, else
+        the tier itself, its pending copies awaited."""
+        if self.staged is not None:
+            shape = (-1, *self.staged[0].shape[3:])
+            return self.staged[0].view(shape), self.staged[1].view(shape)
+        self.await_tier_writes()
+        return self.host.pages()
+
     # ----------------------------------------------------------------------------------------- crop, reorder
 
     def truncate(self, before: torch.Tensor, after: torch.Tensor) -> None:
@@ -280,6 +357,7 @@ class OffloadedPages:
         longer full go; a request whose tail moves back to an earlier page gets it from the host tier into its tail
         slot (the host holds every full page). Device work only, ordered after the kernels that write the tier."""
         page_size, device = self.page_size, self.pool.k.device
+        self.await_tier_writes()
         full_pages = per_row(host_to_device((after - 1).clamp(min=0) // page_size, device), self.num_heads)
         gone = self.selected >= full_pages.unsqueeze(1)
         self.selected.masked_fill_(gone, -1)  # in place: captured decode graphs read this storage
@@ -309,7 +387,7 @@ class OffloadedPages:
         held = source.base + rows.view(-1, 1) * self.slots_per_row + positions  # [B' * h, K + C] each
         self.pool.k[target] = source.pool.k[held]
         self.pool.v[target] = source.pool.v[held]
-        if source.zero_copy:  # zero-copy kernels may still write the source tier
+        if source.zero_copy:  # zero-copy kernels (and the side stream's copies) may still write the source tier
             torch.cuda.synchronize(device)
         _, _, capacity, page_size, head_dim = source.host.k.shape
         self.host = HostTier(index.numel(), self.num_heads, page_size, head_dim, source.host.k.dtype,
@@ -340,7 +418,7 @@ class OffloadedPages:
 
             if fits_fused_rerank(scores, self.slots_per_row - 1):  # the same result as below, in two launches
                 promoted = rerank_rows(scores.contiguous(), num_full_pages, self.selected, self.selected_scores,
-                                       self.host.pages(), self._device_pages(), self.base, self.host.k.shape[2],
+                                       self._tier_pages(), self._device_pages(), self.base, self.host.k.shape[2],
                                        self.key_centre, max_promotions)
                 self._count_promotions(promoted)
                 return
@@ -419,6 +497,7 @@ class OffloadedPages:
             num_tokens: ``[B]`` real tokens per request (CPU).
         """
         self._reserve_host(num_pages)
+        self.await_tier_writes()
         device, dtype, head_dim = self.pool.k.device, self.pool.k.dtype, self.pool.k.shape[-1]
         batch_size = self.num_rows // self.num_heads
         if self.host.pin_memory:  # copies from the page-locked tier, ordered after the kernels that write it

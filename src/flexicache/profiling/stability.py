@@ -17,17 +17,38 @@ from dataclasses import dataclass
 import torch
 
 
+PAIR_CHUNK_ENTRIES = 2**24  # page entries :func:`rco_by_distance` looks up at once (bounds its transient memory)
+
+
 def overlap_counts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``|a ∩ b|`` of page sets ``a [..., Ka]``, ``b [..., Kb]`` (distinct entries, ``-1`` padding; leading dims
-    broadcast) -> ``[...]`` int64: each entry of ``a`` looked up in ``b`` sorted (``K log K`` per set, not the
-    ``K x K`` comparisons that took most of a prompt's head split on a GPU)."""
+    broadcast) -> ``[...]`` int64: each entry of ``a`` looked up in ``b`` sorted (``K log K`` per set, not ``K x K``
+    comparisons)."""
     leading = torch.broadcast_shapes(a.shape[:-1], b.shape[:-1])
     a, b = a.expand(*leading, a.shape[-1]), b.expand(*leading, b.shape[-1])
-    if a.shape[-1] == 0 or b.shape[-1] == 0:
-        return torch.zeros(leading, dtype=torch.long, device=a.device)
-    present = b.masked_fill(b < 0, torch.iinfo(b.dtype).max).sort(dim=-1).values.contiguous()  # padding last
-    position = torch.searchsorted(present, a.contiguous()).clamp(max=b.shape[-1] - 1)
+    return _count_in_sorted(a, _sorted_sets(b))
+
+
+def _sorted_sets(sets: torch.Tensor) -> torch.Tensor:
+    """Page sets ``[..., K]`` sorted ascending, the ``-1`` padding moved last (as the largest value)."""
+    return sets.masked_fill(sets < 0, torch.iinfo(sets.dtype).max).sort(dim=-1).values.contiguous()
+
+
+def _count_in_sorted(a: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """``|a ∩ present|`` ``[...]`` of sets ``a [..., Ka]`` and sets ``present [..., Kb]`` from :func:`_sorted_sets`
+    (the same leading dims)."""
+    if a.shape[-1] == 0 or present.shape[-1] == 0:
+        return torch.zeros(a.shape[:-1], dtype=torch.long, device=a.device)
+    position = torch.searchsorted(present, a.contiguous()).clamp(max=present.shape[-1] - 1)
     return ((present.gather(-1, position) == a) & (a >= 0)).sum(dim=-1)
+
+
+def _rco_of_counts(counts: torch.Tensor, k: int, num_pages: torch.Tensor | int) -> torch.Tensor:
+    """RCO (float64, ``nan`` where ``num_pages <= k``) of overlap ``counts`` of ``k``-sets over ``num_pages``."""
+    n = torch.as_tensor(num_pages, dtype=torch.float64, device=counts.device)
+    chance = k / n
+    rco = (counts.to(torch.float64) / k - chance) / (1.0 - chance)
+    return torch.where(n > k, rco, torch.full_like(rco, float("nan")))
 
 
 def random_corrected_overlap(
@@ -37,16 +58,17 @@ def random_corrected_overlap(
 
     Returns float64 ``[...]``; ``nan`` where ``num_pages <= k``.
     """
-    n = torch.as_tensor(num_pages, dtype=torch.float64, device=a.device)
-    chance = k / n
-    rco = (overlap_counts(a, b).to(torch.float64) / k - chance) / (1.0 - chance)
-    return torch.where(n > k, rco, torch.full_like(rco, float("nan")))
+    return _rco_of_counts(overlap_counts(a, b), k, num_pages)
 
 
 def rco_by_distance(
     pages: torch.Tensor, num_pages: torch.Tensor, k: int, max_distance: int = 16
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean RCO between the sets of steps ``t`` and ``t + d`` for ``d = 1 .. max_distance``.
+
+    Every valid step pair of every distance is counted in one batch of lookups (in chunks of
+    :data:`PAIR_CHUNK_ENTRIES` page entries), each step's set sorted once: a handful of kernels and no device sync
+    whatever the distance count (the prompt's head split runs this per layer inside the prefill).
 
     Args:
         pages: ``[S, *heads, K]`` page sets of ``S`` consecutive decode steps (any device: the curve is on it).
@@ -56,20 +78,27 @@ def rco_by_distance(
         ``(curve [max_distance, *heads], pairs [max_distance])``: mean RCO over the valid step pairs (``nan`` where
         there is none) and the number of valid pairs at each distance.
     """
-    steps = pages.shape[0]
-    head_shape = pages.shape[1:-1]
-    curve = torch.full((max_distance, *head_shape), float("nan"), dtype=torch.float64, device=pages.device)
+    steps, head_shape, device = pages.shape[0], pages.shape[1:-1], pages.device
+    curve = torch.full((max_distance, *head_shape), float("nan"), dtype=torch.float64, device=device)
     pairs = torch.zeros(max_distance, dtype=torch.long)
     num_pages = num_pages.to(device="cpu", dtype=torch.long)
-    for d in range(1, min(max_distance, steps - 1) + 1):
-        valid = num_pages[:-d] > k
-        count = int(valid.sum())
-        if count == 0:
-            continue
-        later_n = num_pages[d:][valid].view(-1, *([1] * len(head_shape)))
-        rco = random_corrected_overlap(pages[:-d][valid], pages[d:][valid], k, later_n)
-        curve[d - 1] = rco.mean(dim=0)
-        pairs[d - 1] = count
+    distances = range(1, min(max_distance, steps - 1) + 1)
+    earlier = [(num_pages[:-d] > k).nonzero().view(-1) for d in distances]  # valid pairs: N > K at the earlier step
+    if not any(starts.numel() for starts in earlier):
+        return curve, pairs
+    pairs[: len(earlier)] = torch.tensor([starts.numel() for starts in earlier])
+    first = torch.cat(earlier)  # [P] earlier step of each pair, grouped by distance
+    second = first + torch.repeat_interleave(torch.tensor(list(distances)), pairs[: len(earlier)])
+    present = _sorted_sets(pages)
+    first_on_device, second_on_device = first.to(device), second.to(device)
+    chunk = max(1, PAIR_CHUNK_ENTRIES // max(1, pages[0].numel()))
+    counts = torch.cat([_count_in_sorted(pages[first_on_device[start:start + chunk]],
+                                         present[second_on_device[start:start + chunk]])
+                        for start in range(0, first.numel(), chunk)])  # [P, *heads]
+    rco = _rco_of_counts(counts, k, num_pages[second].to(device).view(-1, *([1] * len(head_shape))))
+    for d, (end, count) in enumerate(zip(pairs.cumsum(0).tolist(), pairs.tolist(), strict=True)):
+        if count:
+            curve[d] = rco[end - count:end].mean(dim=0)
     return curve, pairs
 
 
