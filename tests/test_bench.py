@@ -509,3 +509,11 @@ def test_the_throughput_case_steps_down_from_a_batch_that_runs_out_of_memory(mon
     with pytest.raises(torch.OutOfMemoryError):  # 100, 95, 90, 85, 80 all fail: the error is not hidden
         throughput.measure_throughput(suite, "tiny-llama", System("static"))
     assert len(ran) == throughput.OOM_RETRIES + 1
+
+    ran.clear()
+    monkeypatch.setattr(throughput, "largest_batch", lambda suite, name, system: {"largest_batch": 3})
+    monkeypatch.setattr(throughput, "decode_run", lambda suite, model, system, batch, *args: decode_run(
+        suite, model, system, batch + 100, *args))  # every batch fails (ran: the batch + 100)
+    with pytest.raises(torch.OutOfMemoryError, match="even a batch of 1"):  # 3, 2, 1 fail: no row without a run
+        throughput.measure_throughput(suite, "tiny-llama", System("static"))
+    assert ran == [103, 102, 101]

@@ -101,8 +101,9 @@ def measure_throughput(suite: Suite, model_name: str, system: System) -> dict[st
             release(suite.device)
             row["out_of_memory_at"].append(batch)
             batch = min(batch - 1, math.floor(batch * OOM_STEP))
-    if run is None:
-        return row
+    if run is None:  # every batch down to 1 ran out of memory before the retries were used up
+        raise torch.OutOfMemoryError(f"{system.name}: even a batch of 1 at {s.throughput_context} tokens ran out of "
+                                     f"device memory (tried {row['out_of_memory_at']}); lower --throughput-context")
     row["largest_batch"] = batch
     keep = ("step_ms_p50", "step_ms_p99", "p99_over_p50", "tokens_per_s", "device_busy_ms", "gpu_idle_share", "layers",
             "device_reserved_bytes", "host_reserved_bytes")
