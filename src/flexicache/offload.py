@@ -78,7 +78,8 @@ class OffloadedPages:
     ``selected_scores``: ``[B * h, K - 1 + C]`` score of that page at the last rerank or, with standby pages, at the
     last decode step (``+inf`` = keep: the sink, a retired tail until it is scored);
     ``key_centre``: ``[B * h, D]`` what the host tier's keys are stored less (a narrower tier only, else ``None``);
-    ``staged``: a first prompt chunk's ``(k, v)`` on the device in the tier's layout and dtype, until its commit ends;
+    ``staged``: a first prompt chunk's ``(k, v)`` on the device, ``[B, h, P, ps, D]`` in the tier's dtype (``P``: the
+    chunk's pages per row), until its commit ends;
     ``tier_written``: the event after the side stream's copies of the staged chunk into the tier (``None``: none
     pending).
     """
@@ -129,8 +130,9 @@ class OffloadedPages:
         return (batch.unsqueeze(1) * self.num_heads + torch.arange(self.num_heads, device=batch.device)).reshape(-1)
 
     def _host_page_index(self, batch: torch.Tensor, page: torch.Tensor) -> torch.Tensor:
-        """``[n * h]`` index into :meth:`HostTier.pages` of page ``page [n]`` of every row of requests ``batch [n]``."""
-        return self._rows_of(batch) * self.host.k.shape[2] + per_row(page, self.num_heads)
+        """``[n * h]`` index into the tier's pages (:meth:`_tier_pages`) of page ``page [n]`` of every row of requests
+        ``batch [n]``."""
+        return self._rows_of(batch) * self._tier_pages_per_row() + per_row(page, self.num_heads)
 
     def _tail_slots(self, batch: torch.Tensor) -> torch.Tensor:
         """``[n * h]`` tail slots of the rows of requests ``batch [n]``."""
@@ -227,7 +229,7 @@ class OffloadedPages:
               source_index: torch.Tensor, target_index: torch.Tensor, mask: torch.Tensor, centre_sign: int) -> None:
         """Pages between the tier and the device; ``centre_sign`` +1: from the tier (its index is the source's),
         -1: to it."""
-        pages_per_row = self.host.k.shape[2]
+        pages_per_row = self._tier_pages_per_row()
         if self.zero_copy:
             from flexicache.backends.triton_transfer import copy_pages
 
@@ -289,10 +291,11 @@ class OffloadedPages:
 
             first_chunk = not bool(plan.before_host.any())
             if first_chunk:  # the same bytes the tier gets, written on the device first
-                self.staged = (torch.empty_like(self.host.k, device=device),
-                               torch.empty_like(self.host.v, device=device))
+                shape = (*self.host.k.shape[:2], plan.max_pages_after, *self.host.k.shape[3:])
+                self.staged = (torch.empty(shape, dtype=self.host.k.dtype, device=device),
+                               torch.empty(shape, dtype=self.host.v.dtype, device=device))
             write_tokens(new_keys, new_values, self._tier_pages(), plan.batch, plan.page, plan.offset,
-                         self.host.k.shape[2], centre=self.key_centre)
+                         self._tier_pages_per_row(), centre=self.key_centre)
             if first_chunk:
                 self._copy_staged_to_tier(plan.max_pages_after)
         else:
@@ -307,8 +310,9 @@ class OffloadedPages:
         self.counters.bytes_h2d += self.host_page_bytes(requests.numel() * self.num_heads)
 
     def _copy_staged_to_tier(self, num_pages: int) -> None:
-        """Copy every row's first ``num_pages`` staged pages into the tier: on CUDA queued on the side stream (after
-        the current stream's work so far), :attr:`tier_written` recorded after them; elsewhere at once."""
+        """Copy every row's ``num_pages`` staged pages into the first pages of its tier row: on CUDA queued on the
+        side stream (after the current stream's work so far), :attr:`tier_written` recorded after them; elsewhere at
+        once."""
         device = self.pool.k.device
         side = tier_stream(device) if device.type == "cuda" else None
         if side is not None:
@@ -317,7 +321,7 @@ class OffloadedPages:
             for staged, tier in zip(self.staged, (self.host.k, self.host.v), strict=True):
                 staged_rows, tier_rows = staged.flatten(0, 1), tier.flatten(0, 1)  # [B * h, P, ps, D], views
                 for row in range(tier_rows.shape[0]):  # a row's pages are contiguous in both
-                    tier_rows[row, :num_pages].copy_(staged_rows[row, :num_pages], non_blocking=True)
+                    tier_rows[row, :num_pages].copy_(staged_rows[row], non_blocking=True)
         if side is None:
             return
         for staged in self.staged:
@@ -349,6 +353,10 @@ class OffloadedPages:
             return self.staged[0].view(shape), self.staged[1].view(shape)
         self.await_tier_writes()
         return self.host.pages()
+
+    def _tier_pages_per_row(self) -> int:
+        """Pages per row of :meth:`_tier_pages`: the staged chunk's, else the tier's capacity."""
+        return (self.host.k if self.staged is None else self.staged[0]).shape[2]
 
     # ----------------------------------------------------------------------------------------- crop, reorder
 
@@ -418,7 +426,7 @@ class OffloadedPages:
 
             if fits_fused_rerank(scores, self.slots_per_row - 1):  # the same result as below, in two launches
                 promoted = rerank_rows(scores.contiguous(), num_full_pages, self.selected, self.selected_scores,
-                                       self._tier_pages(), self._device_pages(), self.base, self.host.k.shape[2],
+                                       self._tier_pages(), self._device_pages(), self.base, self._tier_pages_per_row(),
                                        self.key_centre, max_promotions)
                 self._count_promotions(promoted)
                 return
@@ -426,7 +434,7 @@ class OffloadedPages:
                                                                       max_promotions)
         working_slots = self.slots_per_row - 1
         rows = torch.arange(promoted.shape[0], device=promoted.device).unsqueeze(1)
-        self._to_device((rows * self.host.k.shape[2] + new_pages.clamp(min=0)).view(-1),
+        self._to_device((rows * self._tier_pages_per_row() + new_pages.clamp(min=0)).view(-1),
                         (self.base + rows * self.slots_per_row + target_cols.clamp(max=working_slots - 1)).view(-1),
                         promoted.view(-1))
         self._count_promotions(promoted.sum())
