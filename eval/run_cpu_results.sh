@@ -134,6 +134,10 @@ for model in ${models[@]}; do
             eval_cpu --model gemma3 --suite synthetic --seed 2 \
                 --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
                 --method budget=1024,exact_rescore=true --out "$root/levers/gemma3-synthetic-8k-niah-exact-seed2"
+            # the 8-token oracle pages on the first 5 needles (the defaults' one miss is the fifth)
+            eval_cpu --model gemma3 --suite synthetic \
+                --tasks niah_single_1 --lengths 8192 --limit 5 --max-new-tokens 24 --context-length 8192 --page-size 8 \
+                --budget 1024 --oracle --out "$root/levers/gemma3-synthetic-8k-niah-oracle8"
             eval_cpu --model gemma3 --suite ppl --page-size 8 \
                 --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
