@@ -517,3 +517,8 @@ def test_the_throughput_case_steps_down_from_a_batch_that_runs_out_of_memory(mon
     with pytest.raises(torch.OutOfMemoryError, match="even a batch of 1"):  # 3, 2, 1 fail: no row without a run
         throughput.measure_throughput(suite, "tiny-llama", System("static"))
     assert ran == [103, 102, 101]
+
+    ran.clear()
+    monkeypatch.setattr(throughput, "largest_batch", lambda suite, name, system: {"largest_batch": 0})
+    row = throughput.measure_throughput(suite, "tiny-llama", System("static"))  # nothing fits: nothing to run
+    assert (ran, row["largest_batch"], row["out_of_memory_at"]) == ([], 0, [])

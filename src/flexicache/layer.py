@@ -171,14 +171,17 @@ class FlexiLayer(CacheLayerMixin):
                                                            self.profile_unstable))
             self.lazy_initialization(keys, values)
         plan = self.sequence.plan_chunk(self.num_chunks, real_tokens, keys.shape[0], keys.shape[2], self.device)
-        self.append(keys, values, plan)
         offloaded = self.storage.offloaded
-        if offloaded is not None:
+        try:
+            self.append(keys, values, plan)
             width = plan.full_page_width
-            if width:
+            if offloaded is not None and width:
                 self.path.rerank_stable(_detached(query[:, :, -1]), plan.after, width, decode=False)
                 offloaded.counters.reranks += offloaded.num_rows
-            offloaded.release_staged()
+        finally:  # the tail refresh and the rerank read the staged chunk; nothing after them does
+            if offloaded is not None:
+                offloaded.release_staged()
+        if offloaded is not None:
             # Stagger: layer l reranks at decode steps where (step + l) % interval == 0, so no step pays them all.
             offloaded.steps_since_rerank = self.layer_idx % self.settings.rerank_interval
             offloaded.steps_since_prompt = 0

@@ -278,6 +278,7 @@ class OffloadedPages:
         The caller reranks right after, which fills the selection slots, then calls :meth:`release_staged`; the tail
         slot is refreshed here. A first chunk on the zero-copy path is staged (see the module's docstring).
         """
+        self.release_staged()  # a commit that raised may have left one: it must not be read or written again
         self._reserve_host(plan.max_pages_after)
         self.await_tier_writes()
         device = self.pool.k.device
@@ -289,14 +290,10 @@ class OffloadedPages:
         if self.zero_copy:  # the device writes the tokens into the pinned tier (and reads the tails back): no sync
             from flexicache.backends.triton_transfer import write_tokens
 
-            first_chunk = not bool(plan.before_host.any())
-            if first_chunk:  # the same bytes the tier gets, written on the device first
-                shape = (*self.host.k.shape[:2], plan.max_pages_after, *self.host.k.shape[3:])
-                self.staged = (torch.empty(shape, dtype=self.host.k.dtype, device=device),
-                               torch.empty(shape, dtype=self.host.v.dtype, device=device))
+            staged = not bool(plan.before_host.any()) and self._stage(plan.max_pages_after)
             write_tokens(new_keys, new_values, self._tier_pages(), plan.batch, plan.page, plan.offset,
                          self._tier_pages_per_row(), centre=self.key_centre)
-            if first_chunk:
+            if staged:
                 self._copy_staged_to_tier(plan.max_pages_after)
         else:
             batch_host, page_host, offset_host = plan.batch.cpu(), plan.page.cpu(), plan.offset.cpu()
@@ -308,6 +305,18 @@ class OffloadedPages:
         self._to_device(self._host_page_index(requests, (plan.after[requests] - 1) // self.page_size), tail_slots,
                         torch.ones_like(tail_slots, dtype=torch.bool))
         self.counters.bytes_h2d += self.host_page_bytes(requests.numel() * self.num_heads)
+
+    def _stage(self, num_pages: int) -> bool:
+        """Make :attr:`staged` for a first chunk of ``num_pages`` pages per row (the same bytes the tier gets, written
+        on the device first); ``False`` where the device has no room for it (the chunk is then written straight into
+        the tier, as a later chunk is)."""
+        shape = (*self.host.k.shape[:2], num_pages, *self.host.k.shape[3:])
+        try:
+            self.staged = (torch.empty(shape, dtype=self.host.k.dtype, device=self.pool.k.device),
+                           torch.empty(shape, dtype=self.host.v.dtype, device=self.pool.k.device))
+        except torch.OutOfMemoryError:
+            return False
+        return True
 
     def _copy_staged_to_tier(self, num_pages: int) -> None:
         """Copy every row's ``num_pages`` staged pages into the first pages of its tier row: on CUDA queued on the

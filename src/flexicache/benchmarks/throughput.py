@@ -101,6 +101,8 @@ def measure_throughput(suite: Suite, model_name: str, system: System) -> dict[st
             release(suite.device)
             row["out_of_memory_at"].append(batch)
             batch = min(batch - 1, math.floor(batch * OOM_STEP))
+    if run is None and not row["out_of_memory_at"]:  # an estimate of 0: not even one sequence fits
+        return row
     if run is None:  # every batch down to 1 ran out of memory before the retries were used up
         raise torch.OutOfMemoryError(f"{system.name}: even a batch of 1 at {s.throughput_context} tokens ran out of "
                                      f"device memory (tried {row['out_of_memory_at']}); lower --throughput-context")
