@@ -175,6 +175,14 @@ for model in ${models[@]}; do
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 48 \
                 --oracle --method budget=48,exact_rescore=true --out "$root/levers/ppl-1.5k-32-exact"
             eval_cpu --model smollm2 --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 48 \
+                --method budget=48,exact_rescore=true,standby_pages=6 budget=48,exact_rescore=true,standby_pages=12 \
+                budget=48,exact_rescore=true,rerank_interval=1 budget=48,exact_rescore=true,page_size=4 \
+                --out "$root/levers/ppl-1.5k-32-levers"
+            eval_cpu --model smollm2 --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --page-size 4 \
+                --budget 48 --oracle --method budget=48,exact_rescore=true --out "$root/levers/ppl-1.5k-32-page4"
+            eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --method budget=192,exact_rescore=true --out "$root/levers/ppl-1.5k-replicate-exact"
             eval_cpu --model smollm2 --suite ppl \
