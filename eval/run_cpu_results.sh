@@ -138,6 +138,9 @@ for model in ${models[@]}; do
             eval_cpu --model gemma3 --suite synthetic \
                 --tasks niah_single_1 --lengths 8192 --limit 5 --max-new-tokens 24 --context-length 8192 --page-size 8 \
                 --budget 1024 --oracle --out "$root/levers/gemma3-synthetic-8k-niah-oracle8"
+            eval_cpu --model gemma3 --suite synthetic \
+                --tasks niah_single_1 --lengths 8192 --limit 5 --max-new-tokens 24 --context-length 8192 --page-size 8 \
+                --method budget=1024,exact_rescore=true,page_size=4 --out "$root/levers/gemma3-synthetic-8k-niah-page4"
             eval_cpu --model gemma3 --suite ppl --page-size 8 \
                 --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
