@@ -64,6 +64,16 @@ class HostTier:
         shape = (-1, *self.k.shape[3:])
         return self.k.view(shape), self.v.view(shape)
 
+    def copy_from(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``keys``/``values`` ``[B, h, P, ps, D]`` (on the device, in the tier's dtype) into the first ``P``
+        pages of every row: one asynchronous copy per row and tensor on the current stream (a row's pages are
+        contiguous in both), the reverse of :meth:`to_device`."""
+        num_pages = keys.shape[2]
+        for source, tier in ((keys, self.k), (values, self.v)):
+            source_rows, tier_rows = source.flatten(0, 1), tier.flatten(0, 1)  # [B * h, P, ps, D], views
+            for row in range(tier_rows.shape[0]):
+                tier_rows[row, :num_pages].copy_(source_rows[row], non_blocking=True)
+
     def to_device(self, num_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``num_pages`` pages of every row as device ``[B, h, num_pages, ps, D]`` keys/values in the tier's
         dtype: one asynchronous copy per row and tensor from the page-locked tier (a row's pages are contiguous in

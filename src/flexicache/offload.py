@@ -28,6 +28,7 @@ ends (:meth:`OffloadedPages.release_staged`), and every later use of the tier wa
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,14 +46,10 @@ def zero_copy_available(device: torch.device) -> bool:
     return device.type == "cuda" and triton_available()
 
 
-_TIER_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
+@functools.cache
 def tier_stream(device: torch.device) -> torch.cuda.Stream:
     """The side stream that copies staged prompt chunks into host tiers on ``device`` (one per device)."""
-    if device not in _TIER_STREAMS:
-        _TIER_STREAMS[device] = torch.cuda.Stream(device)
-    return _TIER_STREAMS[device]
+    return torch.cuda.Stream(device)
 
 
 @dataclass
@@ -294,7 +291,7 @@ class OffloadedPages:
             write_tokens(new_keys, new_values, self._tier_pages(), plan.batch, plan.page, plan.offset,
                          self._tier_pages_per_row(), centre=self.key_centre)
             if staged:
-                self._copy_staged_to_tier(plan.max_pages_after)
+                self._copy_staged_to_tier()
         else:
             batch_host, page_host, offset_host = plan.batch.cpu(), plan.page.cpu(), plan.offset.cpu()
             self.host.k[batch_host, :, page_host, offset_host] = self._host_keys(new_keys, plan.batch).to(
@@ -318,19 +315,16 @@ class OffloadedPages:
             return False
         return True
 
-    def _copy_staged_to_tier(self, num_pages: int) -> None:
-        """Copy every row's ``num_pages`` staged pages into the first pages of its tier row: on CUDA queued on the
-        side stream (after the current stream's work so far), :attr:`tier_written` recorded after them; elsewhere at
-        once."""
+    def _copy_staged_to_tier(self) -> None:
+        """Copy the staged pages into the first pages of every tier row (:meth:`HostTier.copy_from`): on CUDA queued
+        on the side stream (after the current stream's work so far), :attr:`tier_written` recorded after them;
+        elsewhere at once."""
         device = self.pool.k.device
         side = tier_stream(device) if device.type == "cuda" else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            for staged, tier in zip(self.staged, (self.host.k, self.host.v), strict=True):
-                staged_rows, tier_rows = staged.flatten(0, 1), tier.flatten(0, 1)  # [B * h, P, ps, D], views
-                for row in range(tier_rows.shape[0]):  # a row's pages are contiguous in both
-                    tier_rows[row, :num_pages].copy_(staged_rows[row], non_blocking=True)
+            self.host.copy_from(*self.staged)
         if side is None:
             return
         for staged in self.staged:
