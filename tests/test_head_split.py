@@ -1,8 +1,11 @@
-"""The online head split (``profile=None`` / ``"online"``, flexicache.head_split): the running fraction, ties, short
-prompts, its place in a cache's prefill (decided at the first prompt chunk, again after a reset), and generation at a
-covering budget equal to DynamicCache's."""
+"""The online head split (``profile=None`` / ``"online"``, flexicache.head_split): the lowest quarter over every
+layer's heads, ties, short prompts, the first chunks parked until the last layer (then stored exactly as with a
+profile of the same heads), its place in a cache's prefill (again after a reset and after a failed forward), and
+generation at a covering budget equal to DynamicCache's."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -10,51 +13,60 @@ from conftest import checked, dense_cache, greedy, left_pad, random_prompt, tiny
 
 from flexicache import FlexiCache, HeadProfile, head_split
 from flexicache.config import FlexiCacheConfig
-from flexicache.head_split import OnlineHeadSplit
+from flexicache.handoff import StagedChunk
+from flexicache.head_split import OnlineHeadSplit, lowest_scores
 
 SETTINGS = FlexiCacheConfig(token_budget=32, page_size=16)
+NAN = float("nan")
 
 
-def decide(split: OnlineHeadSplit, scores: list[float], monkeypatch: pytest.MonkeyPatch,
-           fallback: tuple[int, ...] = (0,)) -> list[int]:
-    """One layer's decision for given per-head scores (the estimate itself replaced)."""
-    monkeypatch.setattr(head_split, "request_stability", lambda *args: torch.tensor([scores], dtype=torch.float32))
-    heads = len(scores)
-    return split.unstable_heads(torch.zeros(1, heads, 4, 8), torch.zeros(1, heads, 4, 8), None, SETTINGS,
-                                list(fallback))
+def rows(*scores: list[float]) -> list[torch.Tensor]:
+    return [torch.tensor(row, dtype=torch.float32) for row in scores]
 
 
-def test_the_fraction_runs_over_the_heads_seen_so_far(monkeypatch: pytest.MonkeyPatch) -> None:
-    split = OnlineHeadSplit()
-    assert decide(split, [0.9, 0.2, 0.8, 0.7], monkeypatch) == [1]  # lowest quarter of 4
-    assert decide(split, [0.95, 0.9, 0.85, 0.99], monkeypatch) == []  # none among the lowest quarter of 8
-    assert decide(split, [0.1, 0.15, 0.9, 0.9], monkeypatch) == [0, 1]  # 3 of 12: both of the new lowest
-    assert split.num_unstable == 3
-    split.reset()
-    assert split.scores == [] and split.num_unstable == 0
-
-
-def test_ties_take_only_what_the_fraction_allows(monkeypatch: pytest.MonkeyPatch) -> None:
-    split = OnlineHeadSplit()
-    assert decide(split, [0.5] * 4, monkeypatch) == [0]
-    assert decide(split, [0.5] * 4, monkeypatch) == [0]
-    assert split.num_unstable == 2  # a quarter of 8, not every tied head
+def test_the_lowest_quarter_of_every_layers_heads_is_unstable() -> None:
+    scores = rows([0.9, 0.2, 0.8, 0.7], [0.95, 0.9, 0.85, 0.99], [0.1, 0.15, 0.9, 0.9])
+    assert lowest_scores(scores, [[0]] * 3) == [[1], [], [0, 1]]  # 3 of 12, wherever they are
 
 
 @pytest.mark.parametrize("order", ["rising", "falling"])
-def test_the_count_stays_near_the_fraction_when_stability_changes_with_depth(monkeypatch, order: str) -> None:
-    """30 layers of 8 heads whose scores rise (or fall) with depth: a quarter of 240 heads, within one layer's 8."""
-    split = OnlineHeadSplit()
-    for layer in range(30):
-        level = layer if order == "rising" else 30 - layer
-        decide(split, [level + head / 10 for head in range(8)], monkeypatch)
-    assert abs(split.num_unstable - 60) <= 8, split.num_unstable
+def test_stability_that_changes_with_depth_puts_every_unstable_head_where_it_is_lowest(order: str) -> None:
+    """30 layers of 8 heads whose scores rise (or fall) with depth: a quarter of 240 heads, all in the 8 layers
+    of lowest scores (a split decided layer by layer could not know that the first layers are the least stable)."""
+    levels = range(30) if order == "rising" else range(30, 0, -1)
+    chosen = lowest_scores(rows(*([level + head / 10 for head in range(8)] for level in levels)), [[]] * 30)
+    full, partial = (range(7), 7) if order == "rising" else (range(23, 30), 22)  # 7 layers of 8, then 4 heads
+    expected = [list(range(8)) if layer in full else [0, 1, 2, 3] if layer == partial else [] for layer in range(30)]
+    assert chosen == expected
 
 
-def test_a_prompt_too_short_to_tell_keeps_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
-    split = OnlineHeadSplit()
-    assert decide(split, [float("nan")] * 3, monkeypatch, fallback=(0, 2)) == [0, 2]
-    assert split.scores == []
+def test_ties_go_to_the_earlier_layer_and_head() -> None:
+    assert lowest_scores(rows([0.5] * 4, [0.5] * 4), [[], []]) == [[0, 1], []]  # a quarter of 8, not every tie
+
+
+def test_a_layer_too_short_to_tell_keeps_its_fallback_and_does_not_count() -> None:
+    assert lowest_scores(rows([NAN] * 3, [0.3, 0.1, 0.2, 0.4]), [[0, 2], [3]]) == [[0, 2], [1]]
+    assert lowest_scores(rows([NAN] * 2, [NAN] * 2), [[1], []]) == [[1], []]
+    assert lowest_scores(rows([0.3, NAN, 0.2]), [[1]]) == [[2]]  # a head without a score stays stable
+
+
+def test_the_first_chunks_wait_for_the_last_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    scores = iter([[0.9, 0.1], [0.8, 0.7]])
+    monkeypatch.setattr(head_split, "request_stability",
+                        lambda *args: torch.tensor([next(scores)], dtype=torch.float32))
+    split, layers = OnlineHeadSplit(num_layers=2), [torch.nn.Identity(), torch.nn.Identity()]  # any weakref-able
+    chunks = [StagedChunk(None, index, torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8), 0) for index in range(2)]
+    query = torch.arange(1 * 4 * 5 * 8, dtype=torch.float32).view(1, 4, 5, 8)
+    assert split.park(layers[0], chunks[0], query, None, SETTINGS, [0]) == []
+    assert len(split.parked) == 1 and split.parked[0].last_query.shape == (1, 4, 1, 8)
+    assert torch.equal(split.parked[0].last_query, query[:, :, -1:])
+    assert split.parked[0].last_query.untyped_storage().data_ptr() != query.untyped_storage().data_ptr()
+    ready = split.park(layers[1], chunks[1], query, None, SETTINGS, [0])
+    assert [(entry.layer, entry.chunk, heads) for entry, heads in ready] == [(layers[0], chunks[0], [1]),
+                                                                             (layers[1], chunks[1], [])]
+    assert split.parked == [] and split.num_unstable == 1
+    split.reset()
+    assert split.parked == [] and split.num_unstable == 0
 
 
 def test_the_estimate_of_a_real_prompt_scores_every_head_of_a_long_enough_one() -> None:
@@ -75,24 +87,75 @@ def test_the_estimate_of_a_real_prompt_scores_every_head_of_a_long_enough_one() 
     torch.testing.assert_close(both[1], scores[1])
 
 
-def test_a_cache_without_a_profile_splits_its_heads_at_the_first_prompt_chunk() -> None:
+def recorded_scores(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """The batch-averaged head scores ``[H]`` each layer parks (filled as the layers park)."""
+    scores: list[torch.Tensor] = []
+    estimate = head_split.request_stability
+
+    def record(*args) -> torch.Tensor:
+        result = estimate(*args)
+        scores.append(result.nanmean(dim=0))
+        return result
+
+    monkeypatch.setattr(head_split, "request_stability", record)
+    return scores
+
+
+def test_a_cache_without_a_profile_splits_its_heads_over_every_layer_at_the_first_prompt_chunk(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     config = tiny_config(group=2, num_kv_heads=4, num_layers=4)
     model = tiny_model(config, seed=1)
     ids = random_prompt(300, seed=2).view(1, -1)
     cache = checked(FlexiCache.from_model(model, token_budget=48, page_size=16))
     assert cache.head_split is not None and not any(layer.is_initialized for layer in cache.layers)
+    scores = recorded_scores(monkeypatch)
     greedy(model, ids, cache, max_new_tokens=4)
     chosen = [layer.unstable_heads for layer in cache.layers]
-    count = sum(map(len, chosen))
-    assert count == cache.stats()["unstable_heads"] == cache.head_split.num_unstable
-    assert 3 <= count <= 6  # about a quarter of 16 (a later layer's heads below the running threshold all count)
-    assert chosen != [HeadProfile.default(config).unstable_heads_of(index) for index in range(4)]
+    flat = torch.stack(scores).flatten()
+    assert bool(torch.isfinite(flat).all())
+    lowest = flat.argsort(stable=True)[: math.ceil(len(flat) / 4)].tolist()  # a quarter of 16, over all layers
+    assert chosen == [[head for head in range(4) if layer * 4 + head in lowest] for layer in range(4)]
+    assert cache.stats()["unstable_heads"] == cache.head_split.num_unstable == 4 and cache.head_split.parked == []
     for layer in cache.layers:
         assert layer.storage.unstable_heads == layer.unstable_heads
     cache.reset()  # a new prompt is estimated again
     assert cache.head_split.num_unstable == 0
     greedy(model, random_prompt(300, seed=3).view(1, -1), cache, max_new_tokens=4)
-    assert cache.head_split.num_unstable == sum(len(layer.unstable_heads) for layer in cache.layers) >= 3
+    assert cache.head_split.num_unstable == sum(len(layer.unstable_heads) for layer in cache.layers) == 4
+
+
+def test_parked_first_chunks_are_stored_as_a_profile_of_the_same_heads_stores_them() -> None:
+    """The online split changes which heads are unstable, not how they are stored: a batch (left-padded) decodes
+    token for token and logit for logit as with the profile of the heads it chose."""
+    config = tiny_config(group=2, num_kv_heads=3, num_layers=3)
+    model = tiny_model(config, seed=11)
+    ids, mask = left_pad([random_prompt(260, seed=12), random_prompt(200, seed=13)])
+    online = checked(FlexiCache.from_model(model, token_budget=48, page_size=8))
+    tokens, logits = greedy(model, ids, online, mask, max_new_tokens=10, logits=True)
+    unstable = [(layer.layer_idx, head) for layer in online.layers for head in layer.unstable_heads]
+    profile = HeadProfile(num_layers=3, num_kv_heads=3, head_dim=config.head_dim, unstable_heads=unstable)
+    fixed = checked(FlexiCache.from_model(model, profile=profile, token_budget=48, page_size=8))
+    fixed_tokens, fixed_logits = greedy(model, ids, fixed, mask, max_new_tokens=10, logits=True)
+    assert torch.equal(tokens, fixed_tokens)
+    for step, (a, b) in enumerate(zip(logits, fixed_logits, strict=True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"step {step}")
+    assert online.stats() == fixed.stats()
+
+
+def test_a_first_forward_that_fails_part_way_leaves_no_parked_chunk_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tiny_config(group=2, num_kv_heads=2, num_layers=3)
+    model = tiny_model(config, seed=14)
+    ids = random_prompt(200, seed=15).view(1, -1)
+    reference = greedy(model, ids, FlexiCache.from_model(model, token_budget=32, page_size=8), max_new_tokens=6)
+    cache = FlexiCache.from_model(model, token_budget=32, page_size=8)
+    last = model.model.layers[-1]
+    monkeypatch.setattr(last, "forward", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("stop")))
+    with pytest.raises(RuntimeError, match="stop"), torch.inference_mode():
+        model(ids, past_key_values=cache)
+    assert len(cache.head_split.parked) == 2 and not any(layer.is_initialized for layer in cache.layers)
+    monkeypatch.undo()
+    assert torch.equal(greedy(model, ids, cache, max_new_tokens=6), reference)  # the next prompt starts afresh
+    assert cache.head_split.parked == []
 
 
 def test_profile_default_keeps_the_default_profile_and_a_first_single_token_falls_back_to_it() -> None:

@@ -59,8 +59,8 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
     Args:
         config: the model's config (shape, layer types).
         profile: a :class:`HeadProfile`, a path to one, a shipped profile's name or a hub repository id (as
-            :meth:`HeadProfile.from_pretrained` takes); ``None`` (or ``"online"``): each layer's unstable heads
-            estimated from the prompt at the first prefill (:mod:`flexicache.head_split`); ``"default"``:
+            :meth:`HeadProfile.from_pretrained` takes); ``None`` (or ``"online"``): the unstable heads (a quarter of
+            all) estimated from the prompt at the first prefill (:mod:`flexicache.head_split`); ``"default"``:
             :meth:`HeadProfile.default`.
         token_budget, page_size, rerank_interval, rerank_warmup, max_promotions, standby_pages, group_reduce,
             spread_weight, principal_bounds, exact_rescore, backend, cuda_graphs, max_cache_len, host_dtype: see
@@ -90,12 +90,12 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
             require_flashinfer_support(None, model_shape(config)[2])  # the KV dtype is known at the first forward
         online = is_online_profile(profile)
         self.profile = resolve_profile(None if online else profile, config)  # with online: where a prompt cannot tell
-        self.head_split = OnlineHeadSplit() if online else None
+        kinds = layer_kinds(config)
+        self.head_split = OnlineHeadSplit(sum(kind.sparse for kind in kinds)) if online else None
         _, num_kv_heads, _ = model_shape(config)
         self.sequence = SequenceState(page_size)
         self.backends: dict[torch.device, DecodeBackend] = {}  # one backend (and plan) per device, for all layers
         self.step_inputs: dict[torch.device, StepInputs] = {}  # per-step device inputs of the CUDA-graph path
-        kinds = layer_kinds(config)
         layers = [
             FlexiLayer(index, self.settings, self.profile.unstable_heads_of(index), num_kv_heads, self.sequence,
                        self.backends, self.step_inputs, self.head_split)

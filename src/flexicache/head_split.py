@@ -1,80 +1,129 @@
 """The split of KV heads into stable and unstable ones estimated from the prompt itself (``profile="online"``, the
 behaviour without a profile).
 
-A cache without a measured :class:`~flexicache.profile.HeadProfile` decides each sparse layer's unstable heads at its
-first prompt chunk, in the flexicache attention, before the chunk is stored: the last :data:`WINDOW` prompt
-positions are treated as decode steps, and the stability of each head's top-K page sets between neighbouring
-positions (:func:`flexicache.profiling.online.prompt_stability`, the offline profiler's measure, with the pages
-scored by the cache's ``spread_weight`` in the model's axes) ranks the heads.
-The layers decide one after another within the prefill forward, so the fraction is kept over the heads seen so far:
-a layer's head is unstable when its score is within the lowest :data:`UNSTABLE_FRACTION` of all scores of this and the
-earlier layers (ties at the threshold: as many as keep the count of unstable heads at that fraction), and the count so
-far stays within one layer's heads of that fraction (layers whose scores rise or fall with depth). A layer whose
-prompt is too short to tell (no more pages than the budget holds) keeps the default profile's heads
+A cache without a measured :class:`~flexicache.profile.HeadProfile` decides its unstable heads from its first prompt
+forward. In each sparse layer the last :data:`WINDOW` prompt positions are treated as decode steps, and the stability
+of each head's top-K page sets between neighbouring positions (:func:`flexicache.profiling.online.prompt_stability`,
+the offline profiler's measure, with the pages scored by the cache's ``spread_weight`` in the model's axes) scores the
+heads. The heads of lowest score, :data:`UNSTABLE_FRACTION` of all the model's heads wherever they are (as the
+offline profiler ranks them), become unstable.
+
+That choice needs every layer's scores, and a layer's storage needs its split. So each layer *parks* its first chunk
+(:class:`OnlineHeadSplit`: its keys and values, its last query) when it has scored its heads, and the last sparse
+layer of the forward decides and commits every parked chunk, layer by layer, before its own attention returns. Until
+then the first chunk's KV of every layer stays where the model computed it: a one-shot prompt holds what a
+``DynamicCache`` would during its forward, a chunked prefill only its first chunk (the split is estimated from it).
+A layer whose prompt is too short to tell (no more pages than the budget holds) keeps the default profile's heads
 (:meth:`HeadProfile.default`), as does a cache whose first chunk is a single token. One split serves a batch (the
 requests' scores averaged), so a request in a batch can decode differently from the same request alone; a fixed
-profile keeps them equal. A chunked prefill is estimated from its first chunk.
+profile keeps them equal.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from flexicache.config import FlexiCacheConfig
+from flexicache.handoff import StagedChunk
 from flexicache.profiling.online import prompt_stability
 
 WINDOW = 64  # prompt-tail query positions the estimate reads
-UNSTABLE_FRACTION = 0.25  # of the heads seen so far, as the offline profiler's default
+UNSTABLE_FRACTION = 0.25  # of the heads with a score, as the offline profiler's default
 MAX_DISTANCE = 16  # step distances the stability is averaged over (the rerank interval's default)
 
 
-class OnlineHeadSplit:
-    """The running decision of one cache's first prefill forward, shared by its layers (:meth:`reset` for a new
-    prompt)."""
+@dataclass
+class ParkedChunk:
+    """A layer's first prompt chunk, waiting for the other layers' head scores.
 
-    def __init__(self) -> None:
-        self.scores: list[float] = []  # the finite scores of every head decided so far
-        self.num_unstable = 0  # of those, the heads made unstable
+    The layer is held weakly (a parked chunk does not keep a dropped cache's layers alive).
+    """
+
+    layer_ref: weakref.ref[Any]
+    chunk: StagedChunk  # keys/values [B, H, T, D]
+    last_query: torch.Tensor  # [B, Hq, 1, D]: seeds the stable heads' selection at the commit
+    real_tokens: torch.Tensor | None  # [B, T] bool, None: all real
+    scores: torch.Tensor  # [H] the heads' stability, averaged over the batch (nan: too few pages to tell)
+    fallback: list[int]  # the heads to make unstable when no head has a score
+
+    @property
+    def layer(self) -> Any:
+        return self.layer_ref()
+
+
+class OnlineHeadSplit:
+    """The parked first chunks of one cache's first prefill forward, and the split they decide (:meth:`reset` for a
+    new prompt).
+
+    Args:
+        num_layers: the cache's sparse layers (each parks once per first forward).
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.parked: list[ParkedChunk] = []
+        self.num_unstable = 0  # the heads the last decision made unstable
 
     def reset(self) -> None:
-        self.scores.clear()
+        self.parked.clear()
         self.num_unstable = 0
 
-    def unstable_heads(self, query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.Tensor | None,
-                       settings: FlexiCacheConfig, fallback: list[int]) -> list[int]:
-        """This layer's unstable heads from its first prompt chunk.
+    def park(self, layer: Any, chunk: StagedChunk, query: torch.Tensor, real_tokens: torch.Tensor | None,
+             settings: FlexiCacheConfig, fallback: list[int]) -> list[tuple[ParkedChunk, list[int]]]:
+        """Score a layer's heads from its first prompt chunk and park the chunk.
 
         Args:
-            query: ``[B, Hq, T, D]`` the chunk's queries; keys: ``[B, H, T, D]`` (RoPE applied).
-            real_tokens: ``[B, T]`` bool (``None``: all real); each request is estimated over its real tokens and
-                the scores averaged over the batch (one split serves every request).
-            fallback: the heads to keep when the prompt is too short to tell.
+            query: ``[B, Hq, T, D]`` the chunk's queries (RoPE applied; the last :data:`WINDOW` are read).
+            real_tokens: ``[B, T]`` bool (``None``: all real); each request is estimated over its real tokens.
+            fallback: this layer's heads to keep when its prompt is too short to tell.
+
+        Returns:
+            Empty until every layer has parked; then every parked chunk, in the order parked, with its layer's
+            unstable heads (the parked list is emptied: the caller commits them).
         """
-        scores = request_stability(query, keys, real_tokens, settings).nanmean(dim=0).cpu()  # [H]
-        finite = [(head, float(score)) for head, score in enumerate(scores.tolist()) if math.isfinite(score)]
-        if not finite:
-            return list(fallback)
-        self.scores.extend(score for _, score in finite)
-        target = max(1, math.ceil(UNSTABLE_FRACTION * len(self.scores)))  # unstable heads so far, this layer's too
-        threshold = sorted(self.scores)[target - 1]
-        ranked = sorted(finite, key=lambda item: item[1])
-        below = sum(score < threshold for _, score in ranked)
-        ties = sum(score == threshold for _, score in ranked)  # as many as the fraction still allows
-        wanted = below + min(ties, max(0, target - self.num_unstable - below))
-        # the running count stays within one layer's heads of the target, whatever order the layers' scores come in
-        slack = keys.shape[1]
-        count = min(max(wanted, target - slack - self.num_unstable), target + slack - self.num_unstable, len(ranked))
-        count = max(count, 0)
-        self.num_unstable += count
-        return sorted(head for head, _ in ranked[:count])
+        scores = request_stability(query, chunk.keys, real_tokens, settings).nanmean(dim=0)  # [H], on its device
+        self.parked.append(ParkedChunk(weakref.ref(layer), chunk, query[:, :, -1:].clone(), real_tokens, scores,
+                                       list(fallback)))
+        if len(self.parked) < self.num_layers:
+            return []
+        parked, self.parked = self.parked, []
+        decided = lowest_scores([entry.scores.cpu() for entry in parked], [entry.fallback for entry in parked])
+        self.num_unstable = sum(map(len, decided))
+        return list(zip(parked, decided, strict=True))
+
+
+def lowest_scores(scores: Sequence[torch.Tensor], fallbacks: Sequence[list[int]]) -> list[list[int]]:
+    """Each layer's unstable heads: the :data:`UNSTABLE_FRACTION` of lowest scores over all layers' heads.
+
+    Args:
+        scores: per layer ``[H]`` head scores (``nan``: cannot tell; such a head stays stable).
+        fallbacks: per layer, the heads to make unstable when none of the layer's heads has a score.
+
+    Returns:
+        Per layer, ascending head indices. Equal scores go to the earlier layer and head first, and at least one
+        head is unstable when any has a score.
+    """
+    finite = [(float(score), layer, head) for layer, row in enumerate(scores)
+              for head, score in enumerate(row.tolist()) if math.isfinite(score)]
+    count = max(1, math.ceil(UNSTABLE_FRACTION * len(finite))) if finite else 0
+    chosen = sorted(finite)[:count]
+    unstable: list[list[int]] = [[] for _ in scores]
+    for _, layer, head in chosen:
+        unstable[layer].append(head)
+    return [sorted(heads) if torch.isfinite(row).any() else list(fallback)
+            for heads, row, fallback in zip(unstable, scores, fallbacks, strict=True)]
 
 
 def request_stability(query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.Tensor | None,
                       settings: FlexiCacheConfig) -> torch.Tensor:
     """``[B, H]`` stability of each request's heads (``nan``: too few pages to tell), each over its real tokens, from
-    ``query [B, Hq, T, D]`` and ``keys [B, H, T, D]`` (left on their device: the caller syncs once per layer)."""
+    ``query [B, Hq, T, D]`` and ``keys [B, H, T, D]`` (left on their device: the split syncs once, at its decision)."""
     if real_tokens is None:  # no padding: every request at once
         return _stability(query, keys, settings)
     length = keys.shape[2]  # left padding: the real tokens are the last ones

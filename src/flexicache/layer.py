@@ -18,6 +18,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from flexicache import decode_paths, handoff
+from flexicache.attention import on_device
 from flexicache.backends import DecodeBackend, layer_backend
 from flexicache.config import FlexiCacheConfig
 from flexicache.decode_graph import StepInputs
@@ -158,18 +159,35 @@ class FlexiLayer(CacheLayerMixin):
 
     def commit(self, chunk: handoff.StagedChunk, query: torch.Tensor, real_tokens: torch.Tensor | None) -> None:
         """Write a staged chunk of several tokens (or a first token) into pages (padding skipped); rerank the
-        stable heads after it.
+        stable heads after it. Without a profile the first prompt chunk is parked until every layer has scored its
+        heads (:mod:`flexicache.head_split`); the last layer to park stores them all.
 
         Args:
             query: ``[B, Hq, T, D]`` queries of the chunk (the last one seeds the stable heads' selection).
             real_tokens: ``[B, T]`` bool or ``None`` (all real).
         """
+        if self.is_initialized:
+            self._store(chunk, query, real_tokens)
+            return
+        self._check_num_heads(chunk.keys.shape[1])  # an online split: this first prompt chunk waits for the others
+        ready = self.head_split.park(self, chunk, _detached(query), real_tokens, self.settings, self.profile_unstable)
+        while ready:  # in layer order, each parked chunk released once stored
+            parked, unstable = ready.pop(0)
+            layer = parked.layer
+            if layer is not None:
+                with on_device(parked.chunk.keys.device):
+                    layer._store_first(parked.chunk, parked.last_query, parked.real_tokens, unstable)
+
+    def _store_first(self, chunk: handoff.StagedChunk, last_query: torch.Tensor, real_tokens: torch.Tensor | None,
+                     unstable_heads: list[int]) -> None:
+        """Make the storage for the online split's ``unstable_heads`` and store the parked first chunk in it."""
+        self._use_heads(unstable_heads)
+        self.lazy_initialization(chunk.keys, chunk.values)
+        self._store(chunk, last_query, real_tokens)
+
+    def _store(self, chunk: handoff.StagedChunk, query: torch.Tensor, real_tokens: torch.Tensor | None) -> None:
+        """:meth:`commit` into this layer's storage; ``query [B, Hq, T', D]`` (only the last position is read)."""
         keys, values = chunk.keys, chunk.values
-        if not self.is_initialized:  # an online split: this first prompt chunk chooses the unstable heads
-            self._check_num_heads(keys.shape[1])
-            self._use_heads(self.head_split.unstable_heads(_detached(query), keys, real_tokens, self.settings,
-                                                           self.profile_unstable))
-            self.lazy_initialization(keys, values)
         plan = self.sequence.plan_chunk(self.num_chunks, real_tokens, keys.shape[0], keys.shape[2], self.device)
         offloaded = self.storage.offloaded
         try:
