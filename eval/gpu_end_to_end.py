@@ -10,7 +10,7 @@ On a random-weight model of a real shape (``--shape``, all its layers by default
 - ``FlexiCache.from_model(model, token_budget=...)`` (whole-step CUDA graphs), and the same for
   ``--long-tokens`` new tokens.
 
-FlexiCache runs without a profile (the library's default: each layer's head split estimated from the prompt;
+FlexiCache runs without a profile (the library's default: the head split estimated from the prompt over every layer;
 ``--unstable-fraction F``: a random profile instead, ``--skip-dense``: only the FlexiCache rows). A
 stopping-criteria clock (the device synchronised) times every step: the first interval is prompt to first token
 (the prefill), the rest are decode steps (p50, p99 and p99/p50). Peak device memory is torch's allocator peak over

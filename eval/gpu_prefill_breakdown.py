@@ -44,7 +44,7 @@ PARTS: list[tuple[str, Any, str]] = [
     ("cache update (stage, read back)", FlexiCache, "update"),
     ("dense attention (sdpa)", attention, "sdpa_attention_forward"),
     ("commit of the chunk", layer.FlexiLayer, "commit"),
-    ("  online head split (no profile)", OnlineHeadSplit, "unstable_heads"),
+    ("  online head split (no profile)", OnlineHeadSplit, "park"),
     ("  plan of the chunk", SequenceState, "plan_chunk"),
     ("  append to the pages", storage.LayerStorage, "append_chunk"),
     ("    principal axes", KeyBasis, "principal_axes"),
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--unstable-fraction", type=float, default=0.25)
     parser.add_argument("--online-split", action="store_true",
-                        help="no profile: each layer's unstable heads estimated from the prompt "
+                        help="no profile: the unstable heads estimated from the prompt over every layer "
                              "(the library's default)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-principal-bounds", action="store_true", help="boxes in the model's axes")
