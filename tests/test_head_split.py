@@ -142,7 +142,7 @@ def test_parked_first_chunks_are_stored_as_a_profile_of_the_same_heads_stores_th
     assert online.stats() == fixed.stats()
 
 
-def test_a_first_forward_that_fails_part_way_leaves_no_parked_chunk_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_first_forward_that_fails_part_way_is_refused_until_a_reset(monkeypatch: pytest.MonkeyPatch) -> None:
     config = tiny_config(group=2, num_kv_heads=2, num_layers=3)
     model = tiny_model(config, seed=14)
     ids = random_prompt(200, seed=15).view(1, -1)
@@ -154,8 +154,21 @@ def test_a_first_forward_that_fails_part_way_leaves_no_parked_chunk_behind(monke
         model(ids, past_key_values=cache)
     assert len(cache.head_split.parked) == 2 and not any(layer.is_initialized for layer in cache.layers)
     monkeypatch.undo()
-    assert torch.equal(greedy(model, ids, cache, max_new_tokens=6), reference)  # the next prompt starts afresh
+    with pytest.raises(RuntimeError, match=r"layers \[0, 1\] parked their first prompt chunk.*cache.reset\(\)"):
+        greedy(model, ids, cache, max_new_tokens=6)  # nothing was stored: decoding on would lose the prompt
+    cache.reset()
     assert cache.head_split.parked == []
+    assert torch.equal(greedy(model, ids, cache, max_new_tokens=6), reference)
+
+
+def test_a_model_running_fewer_layers_than_the_cache_has_is_refused_at_its_next_forward() -> None:
+    """The split waits for the cache's last paged layer: a cache made for a deeper model stores nothing, and the
+    next forward raises instead of decoding without the prompt."""
+    model = tiny_model(tiny_config(group=2, num_kv_heads=2, num_layers=2), seed=16)
+    model.set_attn_implementation("flexicache")
+    cache = FlexiCache(tiny_config(group=2, num_kv_heads=2, num_layers=3), token_budget=32, page_size=8)
+    with pytest.raises(RuntimeError, match=r"layers \[0, 1\] parked.*of the cache's 3 paged layers"):
+        greedy(model, random_prompt(100, seed=17).view(1, -1), cache, max_new_tokens=3)
 
 
 def test_profile_default_keeps_the_default_profile_and_a_first_single_token_falls_back_to_it() -> None:

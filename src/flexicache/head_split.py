@@ -13,6 +13,8 @@ That choice needs every layer's scores, and a layer's storage needs its split. S
 layer of the forward decides and commits every parked chunk, layer by layer, before its own attention returns. Until
 then the first chunk's KV of every layer stays where the model computed it: a one-shot prompt holds what a
 ``DynamicCache`` would during its forward, a chunked prefill only its first chunk (the split is estimated from it).
+A forward that ends before its last sparse layer (an error, a model with fewer layers than the cache's config)
+stores nothing, and the cache's next forward raises until ``cache.reset()``.
 A layer whose prompt is too short to tell (no more pages than the budget holds) keeps the default profile's heads
 (:meth:`HeadProfile.default`), as does a cache whose first chunk is a single token. One split serves a batch (the
 requests' scores averaged), so a request in a batch can decode differently from the same request alone; a fixed
