@@ -77,6 +77,10 @@ for model in ${models[@]}; do
                 --profile online --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-exact"
+            eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 \
+                --profile online --method budget=256,exact_rescore=true \
+                --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/qwen2.5-coder-ppl-2k-replicate-exact-online"
             # the same with HeadProfile.default (no --profile), the split of the qwen2.5-coder/ppl-2k rows
             eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 \
                 --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
@@ -191,6 +195,10 @@ for model in ${models[@]}; do
             eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --profile online --method budget=192,exact_rescore=true --out "$root/levers/ppl-1.5k-exact-online"
+            eval_cpu --model smollm2 --suite ppl \
+                --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
+                --profile online --method budget=192,exact_rescore=true \
+                --out "$root/levers/ppl-1.5k-replicate-exact-online"
             echo "+ levers: ppl, the exact second stage with more standby pages (the stable heads choose among more)"
             eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
