@@ -98,6 +98,15 @@ for model in ${models[@]}; do
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --budget 1024 --method budget=1024,exact_rescore=true \
                 --out "$root/levers/qwen2.5-coder-synthetic-8k-exact"
+            # next-line completion and passkey without a profile (the library's default head split)
+            eval_cpu --model qwen2.5-coder --suite lcc --page-size 8 --profile online \
+                --budget 320 160 --method budget=320,exact_rescore=true budget=160,exact_rescore=true \
+                --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24 \
+                --out "$root/levers/qwen2.5-coder-lcc-3k-exact-online"
+            eval_cpu --model qwen2.5-coder --suite synthetic \
+                --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
+                --page-size 8 --profile online --budget 1024 --method budget=1024,exact_rescore=true \
+                --out "$root/levers/qwen2.5-coder-synthetic-8k-passkey-exact-online"
             eval_cpu --model qwen2.5-coder --suite synthetic \
                 --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --method budget=512,exact_rescore=true \
@@ -215,6 +224,10 @@ for model in ${models[@]}; do
                 --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
                 --page-size 8 --budget 512 256 --method budget=512,exact_rescore=true budget=256,exact_rescore=true \
                 --out "$root/levers/synthetic-4k-exact"
+            eval_cpu --model smollm2 --suite synthetic --profile online \
+                --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
+                --page-size 8 --budget 512 256 --method budget=512,exact_rescore=true budget=256,exact_rescore=true \
+                --out "$root/levers/synthetic-4k-exact-online"
             eval_cpu --model smollm2 --suite synthetic \
                 --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
                 --page-size 8 --budget 512 --method budget=512,exact_rescore=true,standby_pages=64 \
