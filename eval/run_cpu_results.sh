@@ -108,6 +108,10 @@ for model in ${models[@]}; do
                 --page-size 8 --profile online --budget 1024 --method budget=1024,exact_rescore=true \
                 --out "$root/levers/qwen2.5-coder-synthetic-8k-passkey-exact-online"
             eval_cpu --model qwen2.5-coder --suite synthetic \
+                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
+                --page-size 8 --profile online --budget 1024 --method budget=1024,exact_rescore=true \
+                --out "$root/levers/qwen2.5-coder-synthetic-8k-niah-exact-online"
+            eval_cpu --model qwen2.5-coder --suite synthetic \
                 --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --method budget=512,exact_rescore=true \
                 --out "$root/levers/qwen2.5-coder-synthetic-8k-16-exact"
@@ -158,6 +162,10 @@ for model in ${models[@]}; do
                 --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/gemma3-ppl-2k-exact"
+            eval_cpu --model gemma3 --suite ppl --page-size 8 --profile online \
+                --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/gemma3-ppl-2k-exact-online"
             eval_cpu --model gemma3 --suite ppl --page-size 8 \
                 --budget 256 128 --method budget=256,exact_rescore=true,standby_pages=32 \
                 budget=128,exact_rescore=true,standby_pages=16 --data "$stdlib/typing.py" "$stdlib/argparse.py" \
@@ -203,7 +211,8 @@ for model in ${models[@]}; do
                 --method budget=192,exact_rescore=true --out "$root/levers/ppl-1.5k-replicate-exact"
             eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
-                --profile online --method budget=192,exact_rescore=true --out "$root/levers/ppl-1.5k-exact-online"
+                --profile online --method budget=192,exact_rescore=true budget=96,exact_rescore=true \
+                --out "$root/levers/ppl-1.5k-exact-online"
             eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --profile online --method budget=192,exact_rescore=true \
