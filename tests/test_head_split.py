@@ -61,12 +61,44 @@ def test_the_first_chunks_wait_for_the_last_layer(monkeypatch: pytest.MonkeyPatc
     assert len(split.parked) == 1 and split.parked[0].last_query.shape == (1, 4, 1, 8)
     assert torch.equal(split.parked[0].last_query, query[:, :, -1:])
     assert split.parked[0].last_query.untyped_storage().data_ptr() != query.untyped_storage().data_ptr()
-    ready = split.park(layers[1], chunks[1], query, None, SETTINGS, [0])
-    assert [(entry.layer, entry.chunk, heads) for entry, heads in ready] == [(layers[0], chunks[0], [1]),
-                                                                             (layers[1], chunks[1], [])]
-    assert split.parked == [] and split.num_unstable == 1
+    assert split.park(layers[1], chunks[1], query, None, SETTINGS, [0]) == [[1], []]
+    assert [(entry.layer, entry.chunk) for entry in split.parked] == [(layers[0], chunks[0]), (layers[1], chunks[1])]
+    assert split.num_unstable == 1
+    split.release_first()  # the caller stored the first chunk; the second stays parked until it is stored
+    assert [entry.layer for entry in split.parked] == [layers[1]] and split.interrupted
     split.reset()
-    assert split.parked == [] and split.num_unstable == 0
+    assert split.parked == [] and split.num_unstable == 0 and not split.interrupted
+
+
+def test_a_parked_chunk_owns_its_storage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Values that are a view into a fused QKV activation are copied when parked (else the whole activation would
+    stay alive until the split); keys and values that own their storage are parked as they are."""
+    monkeypatch.setattr(head_split, "request_stability", lambda *args: torch.zeros(1, 2))
+    split, layer = OnlineHeadSplit(num_layers=2), torch.nn.Identity()
+    qkv = torch.randn(1, 5, 3 * 2 * 8)  # [B, T, (q, k, v) x heads x dim], as a fused projection returns
+    values = qkv[..., 2 * 16:].view(1, 5, 2, 8).transpose(1, 2)  # [B, H, T, D] view into qkv
+    keys = torch.randn(1, 2, 5, 8)
+    mask = torch.ones(1, 1, 5, 5, dtype=torch.bool)[:, 0, -1]  # [B, T] view into a 4D mask
+    split.park(layer, StagedChunk(None, 0, keys, values, 0), torch.zeros(1, 4, 5, 8), mask, SETTINGS, [0])
+    parked = split.parked[0]
+    assert parked.chunk.keys is keys
+    assert torch.equal(parked.chunk.values, values)
+    assert parked.chunk.values.untyped_storage().nbytes() == values.numel() * values.element_size()
+    assert torch.equal(parked.real_tokens, mask) and parked.real_tokens.untyped_storage().nbytes() == 5
+
+
+@pytest.mark.parametrize("where", ["left", "right", "middle"])
+def test_a_padded_request_is_estimated_over_its_real_tokens_alone(where: str) -> None:
+    generator = torch.Generator().manual_seed(3)
+    keys, query = torch.randn(1, 2, 200, 8, generator=generator), torch.randn(1, 4, 200, 8, generator=generator)
+    pad = {"left": slice(0, 40), "right": slice(160, 200), "middle": slice(80, 120)}[where]
+    real = torch.ones(2, 200, dtype=torch.bool)
+    real[1, pad] = False
+    batch = head_split.request_stability(query.expand(2, -1, -1, -1), keys.expand(2, -1, -1, -1), real, SETTINGS)
+    torch.testing.assert_close(batch[0], head_split.request_stability(query, keys, None, SETTINGS)[0])
+    alone = head_split.request_stability(query[:, :, real[1]], keys[:, :, real[1]], None, SETTINGS)[0]
+    torch.testing.assert_close(batch[1], alone)
+    assert not torch.allclose(batch[0], batch[1])
 
 
 def test_the_estimate_of_a_real_prompt_scores_every_head_of_a_long_enough_one() -> None:
@@ -158,6 +190,29 @@ def test_a_first_forward_that_fails_part_way_is_refused_until_a_reset(monkeypatc
         greedy(model, ids, cache, max_new_tokens=6)  # nothing was stored: decoding on would lose the prompt
     cache.reset()
     assert cache.head_split.parked == []
+    assert torch.equal(greedy(model, ids, cache, max_new_tokens=6), reference)
+
+
+def test_a_failure_while_the_parked_chunks_are_stored_is_refused_until_a_reset(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decision made, the first layer's storage fails (e.g. out of memory): no layer holds the prompt, and the
+    next forward raises (dropping the chunks still parked) until a reset, instead of decoding without the prompt."""
+    config = tiny_config(group=2, num_kv_heads=2, num_layers=3)
+    model = tiny_model(config, seed=14)
+    ids = random_prompt(200, seed=15).view(1, -1)
+    reference = greedy(model, ids, FlexiCache.from_model(model, token_budget=32, page_size=8), max_new_tokens=6)
+    cache = FlexiCache.from_model(model, token_budget=32, page_size=8)
+    first = cache.layers[0]
+    monkeypatch.setattr(first, "lazy_initialization", lambda *args: (_ for _ in ()).throw(MemoryError("full")))
+    with pytest.raises(MemoryError, match="full"), torch.inference_mode():
+        model(ids, past_key_values=cache)
+    assert len(cache.head_split.parked) == 3 and not any(layer.is_initialized for layer in cache.layers)
+    monkeypatch.undo()
+    for _ in range(2):  # the first refusal drops the parked chunks; the cache stays refused
+        with pytest.raises(RuntimeError, match=r"layers \[0, 1, 2\] parked their first prompt chunk.*cache.reset"):
+            greedy(model, ids, cache, max_new_tokens=6)
+        assert cache.head_split.parked == []
+    cache.reset()
     assert torch.equal(greedy(model, ids, cache, max_new_tokens=6), reference)
 
 

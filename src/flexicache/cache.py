@@ -185,11 +185,11 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
             forward_guard.begin_forward(self, self._flexi_layers(), self.sequence, self.step_graphs.failed,
                                         self.backends, key_states)
             forward_guard.adopt_unwrapped_forward(self.step_graphs, key_states)
-            if self.head_split is not None and self.head_split.parked:  # stored nothing: not even the prompt
-                parked = [entry.chunk.layer_idx for entry in self.head_split.parked]
+            if self.head_split is not None and self.head_split.interrupted:  # the prompt was not stored
+                parked = self.head_split.abandon()
                 raise RuntimeError(forward_guard.INTERRUPTED.format(
                     where=f"layers {parked} parked their first prompt chunk for the head split, which the last of "
-                          f"the cache's {self.head_split.num_layers} paged layers decides"))
+                          f"the cache's {self.head_split.num_layers} paged layers decides and stores"))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @functools.cached_property

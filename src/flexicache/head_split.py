@@ -13,16 +13,19 @@ That choice needs every layer's scores, and a layer's storage needs its split. S
 layer of the forward decides and commits every parked chunk, layer by layer, before its own attention returns. Until
 then the first chunk's KV of every layer stays where the model computed it: a one-shot prompt holds what a
 ``DynamicCache`` would during its forward, a chunked prefill only its first chunk (the split is estimated from it).
-A forward that ends before its last sparse layer (an error, a model with fewer layers than the cache's config)
-stores nothing, and the cache's next forward raises until ``cache.reset()``.
+A forward that ends before every parked chunk is stored (an error, a model with fewer layers than the cache's
+config) makes the cache's next forward raise until ``cache.reset()``; that forward drops the chunks still parked.
+Parked keys and values are compact: a view into a larger activation (a fused QKV projection's output) is copied, so
+parking holds no more than the keys and values themselves.
 A layer whose prompt is too short to tell (no more pages than the budget holds) keeps the default profile's heads
 (:meth:`HeadProfile.default`), as does a cache whose first chunk is a single token. One split serves a batch (the
 requests' scores averaged), so a request in a batch can decode differently from the same request alone; a fixed
-profile keeps them equal.
+profile keeps them equal. With tensor parallelism each rank's cache splits the heads it holds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from collections.abc import Sequence
@@ -48,7 +51,7 @@ class ParkedChunk:
     """
 
     layer_ref: weakref.ref[Any]
-    chunk: StagedChunk  # keys/values [B, H, T, D]
+    chunk: StagedChunk  # keys/values [B, H, T, D], each owning its storage
     last_query: torch.Tensor  # [B, Hq, 1, D]: seeds the stable heads' selection at the commit
     real_tokens: torch.Tensor | None  # [B, T] bool, None: all real
     scores: torch.Tensor  # [H] the heads' stability, averaged over the batch (nan: too few pages to tell)
@@ -70,11 +73,29 @@ class OnlineHeadSplit:
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
         self.parked: list[ParkedChunk] = []
+        self.abandoned: list[int] = []  # layers whose parked chunks an interrupted forward left (dropped)
         self.num_unstable = 0  # the heads the last decision made unstable
 
     def reset(self) -> None:
         self.parked.clear()
+        self.abandoned.clear()
         self.num_unstable = 0
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether a forward ended with first chunks parked (stored nothing of them): the cache is unusable."""
+        return bool(self.parked or self.abandoned)
+
+    def abandon(self) -> list[int]:
+        """Drop the chunks an interrupted forward left parked (their memory is freed) and return every layer that
+        parked one; :attr:`interrupted` stays true until :meth:`reset`."""
+        self.abandoned += [entry.chunk.layer_idx for entry in self.parked]
+        self.parked.clear()
+        return list(self.abandoned)
+
+    def release_first(self) -> None:
+        """The first parked chunk is stored: drop it (a failure before this leaves it parked)."""
+        self.parked.pop(0)
 
     def park(self, layer: Any, chunk: StagedChunk, query: torch.Tensor, real_tokens: torch.Tensor | None,
              settings: FlexiCacheConfig, fallback: list[int]) -> list[tuple[ParkedChunk, list[int]]]:
@@ -86,18 +107,19 @@ class OnlineHeadSplit:
             fallback: this layer's heads to keep when its prompt is too short to tell.
 
         Returns:
-            Empty until every layer has parked; then every parked chunk, in the order parked, with its layer's
-            unstable heads (the parked list is emptied: the caller commits them).
+            Empty until every layer has parked; then each parked chunk's unstable heads, in the order parked. The
+            chunks stay in :attr:`parked` until the caller stores them, each followed by :meth:`release_first`.
         """
         scores = request_stability(query, chunk.keys, real_tokens, settings).nanmean(dim=0)  # [H], on its device
-        self.parked.append(ParkedChunk(weakref.ref(layer), chunk, query[:, :, -1:].clone(), real_tokens, scores,
-                                       list(fallback)))
+        compact = dataclasses.replace(chunk, keys=_owning(chunk.keys), values=_owning(chunk.values))
+        self.parked.append(ParkedChunk(weakref.ref(layer), compact, query[:, :, -1:].clone(),
+                                       None if real_tokens is None else _owning(real_tokens), scores, list(fallback)))
         if len(self.parked) < self.num_layers:
             return []
-        parked, self.parked = self.parked, []
-        decided = lowest_scores([entry.scores.cpu() for entry in parked], [entry.fallback for entry in parked])
+        decided = lowest_scores([entry.scores.cpu() for entry in self.parked],
+                                [entry.fallback for entry in self.parked])
         self.num_unstable = sum(map(len, decided))
-        return list(zip(parked, decided, strict=True))
+        return decided
 
 
 def lowest_scores(scores: Sequence[torch.Tensor], fallbacks: Sequence[list[int]]) -> list[list[int]]:
@@ -122,16 +144,19 @@ def lowest_scores(scores: Sequence[torch.Tensor], fallbacks: Sequence[list[int]]
             for heads, row, fallback in zip(unstable, scores, fallbacks, strict=True)]
 
 
+def _owning(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy of it where it is a view into a larger storage (which parking would keep alive)."""
+    return tensor.clone() if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size() else tensor
+
+
 def request_stability(query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.Tensor | None,
                       settings: FlexiCacheConfig) -> torch.Tensor:
     """``[B, H]`` stability of each request's heads (``nan``: too few pages to tell), each over its real tokens, from
     ``query [B, Hq, T, D]`` and ``keys [B, H, T, D]`` (left on their device: the split syncs once, at its decision)."""
     if real_tokens is None:  # no padding: every request at once
         return _stability(query, keys, settings)
-    length = keys.shape[2]  # left padding: the real tokens are the last ones
-    return torch.stack([_stability(query[request, None, :, length - real:], keys[request, None, :, length - real:],
-                                   settings)[0]
-                        for request, real in enumerate(real_tokens.sum(dim=1).tolist())])
+    return torch.stack([_stability(query[request, None][:, :, real], keys[request, None][:, :, real], settings)[0]
+                        for request, real in enumerate(real_tokens.to(keys.device))])
 
 
 def _stability(query: torch.Tensor, keys: torch.Tensor, settings: FlexiCacheConfig) -> torch.Tensor:

@@ -170,13 +170,14 @@ class FlexiLayer(CacheLayerMixin):
             self._store(chunk, query, real_tokens)
             return
         self._check_num_heads(chunk.keys.shape[1])  # an online split: this first prompt chunk waits for the others
-        ready = self.head_split.park(self, chunk, _detached(query), real_tokens, self.settings, self.profile_unstable)
-        while ready:  # in layer order, each parked chunk released once stored
-            parked, unstable = ready.pop(0)
+        split = self.head_split
+        for unstable in split.park(self, chunk, _detached(query), real_tokens, self.settings, self.profile_unstable):
+            parked = split.parked[0]  # in layer order, each released once stored (a failure leaves it parked)
             layer = parked.layer
             if layer is not None:
                 with on_device(parked.chunk.keys.device):
                     layer._store_first(parked.chunk, parked.last_query, parked.real_tokens, unstable)
+            split.release_first()
 
     def _store_first(self, chunk: handoff.StagedChunk, last_query: torch.Tensor, real_tokens: torch.Tensor | None,
                      unstable_heads: list[int]) -> None:
