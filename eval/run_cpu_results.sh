@@ -78,7 +78,7 @@ for model in ${models[@]}; do
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-exact"
             eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 \
-                --profile online --method budget=256,exact_rescore=true \
+                --profile online --method budget=256,exact_rescore=true budget=256,exact_rescore=true,standby_pages=32 \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-replicate-exact-online"
             # the same with HeadProfile.default (no --profile), the split of the qwen2.5-coder/ppl-2k rows
@@ -212,10 +212,10 @@ for model in ${models[@]}; do
             eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --profile online --method budget=192,exact_rescore=true budget=96,exact_rescore=true \
-                --out "$root/levers/ppl-1.5k-exact-online"
+                budget=192,exact_rescore=true,standby_pages=24 --out "$root/levers/ppl-1.5k-exact-online"
             eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
-                --profile online --method budget=192,exact_rescore=true \
+                --profile online --method budget=192,exact_rescore=true budget=192,exact_rescore=true,standby_pages=24 \
                 --out "$root/levers/ppl-1.5k-replicate-exact-online"
             echo "+ levers: ppl, the exact second stage with more standby pages (the stable heads choose among more)"
             eval_cpu --model smollm2 --suite ppl \
