@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -22,6 +23,7 @@ import torch
 from flexicache import host_tier, thread_claims
 from flexicache.backends import DecodeBackend, PreparedBackend
 from flexicache.config import FlexiCacheConfig
+from flexicache.head_split import UNSTABLE_FRACTION
 from flexicache.host_limits import check_room, gib, system_limits
 from flexicache.host_pool import BLOCK_BYTES, REMEDY, host_pool
 from flexicache.sequence import SequenceState
@@ -41,6 +43,7 @@ class PagedLayer(Protocol):
     stable_heads: list[int]
     settings: FlexiCacheConfig
     storage: LayerStorage | None
+    awaits_head_split: bool
 
 
 def begin_forward(cache: thread_claims.Claimant, layers: Sequence[PagedLayer], sequence: SequenceState,
@@ -97,24 +100,33 @@ def check_host_demand(layers: Sequence[PagedLayer], sequence: SequenceState, key
     page_bytes = 2 * settings.page_size * head_dim * torch.empty((), dtype=host_dtype).element_size()  # K + V
     device = key_states.device if layers[0].storage is None else layers[0].storage.device
     pinned = host_tier.pins_host_tier(device)
-    needed, largest_replaced, heads = 0, 0, 0
-    for layer in stable:
+    needed, largest_replaced, heads = 0, 0, 0.0
+    for layer, stable_heads in zip(stable, planned_stable_heads(stable), strict=True):
         head_pages = tier_pages(layer.storage, settings, pages)
         if head_pages is None:
             continue
         current = 0 if layer.storage is None else layer.storage.offloaded.host.k.shape[2]
-        new_bytes = head_pages * len(layer.stable_heads) * batch_size * page_bytes
+        new_bytes = math.ceil(head_pages * stable_heads * batch_size * page_bytes)
         old_bytes = current * len(layer.stable_heads) * batch_size * page_bytes
         if pinned:  # the pool hands out whole blocks
             new_bytes, old_bytes = (-(-nbytes // BLOCK_BYTES) * BLOCK_BYTES for nbytes in (new_bytes, old_bytes))
         needed += new_bytes - old_bytes
         largest_replaced = max(largest_replaced, old_bytes)  # a growing tier's old and new buffers coexist briefly
-        heads += len(layer.stable_heads)
-    what = (f"the {'page-locked ' if pinned else ''}host tiers of this cache's stable heads ({heads} KV heads x batch "
-            f"{batch_size} x {pages * settings.page_size} tokens at {page_bytes // settings.page_size} bytes per token "
-            f"and head; {gib(needed)} for the tiers, the rest while a tier grows)")
+        heads += stable_heads
+    what = (f"the {'page-locked ' if pinned else ''}host tiers of this cache's stable heads ({round(heads)} KV heads x "
+            f"batch {batch_size} x {pages * settings.page_size} tokens at {page_bytes // settings.page_size} bytes per "
+            f"token and head; {gib(needed)} for the tiers, the rest while a tier grows)")
     limits = host_pool().limits() if pinned else system_limits()
     check_room(needed + largest_replaced, limits, what, REMEDY)
+
+
+def planned_stable_heads(layers: Sequence[PagedLayer]) -> list[float]:
+    """Each layer's stable heads at its next store. A layer waiting for the online head split
+    (:mod:`flexicache.head_split`) holds every head as stable until the split makes the lowest
+    :data:`~flexicache.head_split.UNSTABLE_FRACTION` of all waiting heads unstable: it counts its share of the rest."""
+    waiting = sum(len(layer.stable_heads) for layer in layers if layer.awaits_head_split)
+    kept = 1 - max(1, math.ceil(UNSTABLE_FRACTION * waiting)) / waiting if waiting else 1.0
+    return [len(layer.stable_heads) * (kept if layer.awaits_head_split else 1.0) for layer in layers]
 
 
 def tier_pages(storage: LayerStorage | None, settings: FlexiCacheConfig, pages: int) -> int | None:

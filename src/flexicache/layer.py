@@ -72,6 +72,11 @@ class FlexiLayer(CacheLayerMixin):
         self.graphed: GraphedDecode | None = None  # the path, when it is the CUDA-graph one
         self.unstable_counters = TransferCounters()
 
+    @property
+    def awaits_head_split(self) -> bool:
+        """Whether this layer's heads wait for the cache's online split (its first prompt chunk is still to come)."""
+        return self.head_split is not None and not self.is_initialized
+
     def _use_heads(self, unstable_heads: list[int]) -> None:
         self.unstable_heads = sorted(unstable_heads)
         self.stable_heads = [head for head in range(self.num_kv_heads) if head not in self.unstable_heads]
