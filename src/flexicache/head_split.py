@@ -152,7 +152,8 @@ def _owning(tensor: torch.Tensor) -> torch.Tensor:
 def request_stability(query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.Tensor | None,
                       settings: FlexiCacheConfig) -> torch.Tensor:
     """``[B, H]`` stability of each request's heads (``nan``: too few pages to tell), each over its real tokens, from
-    ``query [B, Hq, T, D]`` and ``keys [B, H, T, D]`` (left on their device: the split syncs once, at its decision)."""
+    ``query [B, Hq, T, D]`` and ``keys [B, H, T, D]`` (left on their device: without padding the split syncs once,
+    at its decision; a padded request's real tokens are gathered with a sync per layer)."""
     if real_tokens is None:  # no padding: every request at once
         return _stability(query, keys, settings)
     return torch.stack([_stability(query[request, None][:, :, real], keys[request, None][:, :, real], settings)[0]
