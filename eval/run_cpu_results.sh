@@ -166,6 +166,22 @@ for model in ${models[@]}; do
                 --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/gemma3-ppl-2k-exact-online"
+            # one global KV head of three unstable (what the split from the prompt makes), each of them in turn
+            python - "$root" <<'PY'
+import sys
+from flexicache import HeadProfile
+for layer in (5, 11, 17):
+    layers = [layer]
+    HeadProfile(num_layers=18, num_kv_heads=1, head_dim=256, unstable_heads=[(layer, 0)], sparse_layers=[5, 11, 17],
+                calibration={"source": f"fixed: layer {layers} unstable"}).save(
+        f"{sys.argv[1]}/profiles/gemma3-unstable-{layer}.json")
+PY
+            eval_cpu --model gemma3 --suite ppl --page-size 8 \
+                --method "budget=256,exact_rescore=true,profile=$root/profiles/gemma3-unstable-5.json" \
+                "budget=256,exact_rescore=true,profile=$root/profiles/gemma3-unstable-11.json" \
+                "budget=256,exact_rescore=true,profile=$root/profiles/gemma3-unstable-17.json" \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/gemma3-ppl-2k-single-unstable-head"
             eval_cpu --model gemma3 --suite ppl --page-size 8 \
                 --budget 256 128 --method budget=256,exact_rescore=true,standby_pages=32 \
                 budget=128,exact_rescore=true,standby_pages=16 --data "$stdlib/typing.py" "$stdlib/argparse.py" \
