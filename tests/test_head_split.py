@@ -40,6 +40,14 @@ def test_stability_that_changes_with_depth_puts_every_unstable_head_where_it_is_
     assert chosen == expected
 
 
+def test_never_fewer_unstable_heads_than_the_default_profile() -> None:
+    """Three layers of one head (Gemma-3-270M's paged layers): a quarter is one head, the default profile's two
+    (its first two layers) is the floor, and the two lowest scores are chosen wherever they are."""
+    assert lowest_scores(rows([0.9], [0.1], [0.5]), [[0], [0], []]) == [[], [0], [0]]
+    assert head_split.unstable_count(3, 2) == 2 and head_split.unstable_count(48, 4) == 12
+    assert head_split.unstable_count(2, 5) == 2 and head_split.unstable_count(0, 2) == 0
+
+
 def test_ties_go_to_the_earlier_layer_and_head() -> None:
     assert lowest_scores(rows([0.5] * 4, [0.5] * 4), [[], []]) == [[0, 1], []]  # a quarter of 8, not every tie
 
@@ -57,11 +65,11 @@ def test_the_first_chunks_wait_for_the_last_layer(monkeypatch: pytest.MonkeyPatc
     split, layers = OnlineHeadSplit(num_layers=2), [torch.nn.Identity(), torch.nn.Identity()]  # any weakref-able
     chunks = [StagedChunk(None, index, torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8), 0) for index in range(2)]
     query = torch.arange(1 * 4 * 5 * 8, dtype=torch.float32).view(1, 4, 5, 8)
-    assert split.park(layers[0], chunks[0], query, None, SETTINGS, [0]) == []
+    assert split.park(layers[0], chunks[0], query, None, SETTINGS, [0]) == []  # fallbacks: the default's 1 head
     assert len(split.parked) == 1 and split.parked[0].last_query.shape == (1, 4, 1, 8)
     assert torch.equal(split.parked[0].last_query, query[:, :, -1:])
     assert split.parked[0].last_query.untyped_storage().data_ptr() != query.untyped_storage().data_ptr()
-    assert split.park(layers[1], chunks[1], query, None, SETTINGS, [0]) == [[1], []]
+    assert split.park(layers[1], chunks[1], query, None, SETTINGS, []) == [[1], []]
     assert [(entry.layer, entry.chunk) for entry in split.parked] == [(layers[0], chunks[0]), (layers[1], chunks[1])]
     assert split.num_unstable == 1
     split.release_first()  # the caller stored the first chunk; the second stays parked until it is stored
@@ -145,15 +153,16 @@ def test_a_cache_without_a_profile_splits_its_heads_over_every_layer_at_the_firs
     chosen = [layer.unstable_heads for layer in cache.layers]
     flat = torch.stack(scores).flatten()
     assert bool(torch.isfinite(flat).all())
-    lowest = flat.argsort(stable=True)[: math.ceil(len(flat) / 4)].tolist()  # a quarter of 16, over all layers
+    count = max(math.ceil(len(flat) / 4), 2 * 4)  # a quarter of 16, but at least HeadProfile.default's 2 layers x 4
+    lowest = flat.argsort(stable=True)[:count].tolist()  # over all layers
     assert chosen == [[head for head in range(4) if layer * 4 + head in lowest] for layer in range(4)]
-    assert cache.stats()["unstable_heads"] == cache.head_split.num_unstable == 4 and cache.head_split.parked == []
+    assert cache.stats()["unstable_heads"] == cache.head_split.num_unstable == 8 and cache.head_split.parked == []
     for layer in cache.layers:
         assert layer.storage.unstable_heads == layer.unstable_heads
     cache.reset()  # a new prompt is estimated again
     assert cache.head_split.num_unstable == 0
     greedy(model, random_prompt(300, seed=3).view(1, -1), cache, max_new_tokens=4)
-    assert cache.head_split.num_unstable == sum(len(layer.unstable_heads) for layer in cache.layers) == 4
+    assert cache.head_split.num_unstable == sum(len(layer.unstable_heads) for layer in cache.layers) == 8
 
 
 def test_parked_first_chunks_are_stored_as_a_profile_of_the_same_heads_stores_them() -> None:

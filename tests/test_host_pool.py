@@ -309,17 +309,17 @@ def test_an_unpinned_cache_is_checked_against_the_systems_memory(monkeypatch: py
 def test_a_cache_without_a_profile_is_checked_for_the_heads_its_split_will_keep_stable(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Before the first prompt the online head split has made no head unstable; the check counts the heads the split
-    will keep stable (three quarters), so room for exactly what the tiers take is enough and a byte less is not."""
-    config = tiny_config(num_kv_heads=4, num_layers=3)  # 12 KV heads: the split makes 3 unstable
+    will keep stable (three quarters here), so room for exactly what the tiers take is enough and a byte less is not."""
+    config = tiny_config(num_kv_heads=2, num_layers=12)  # 24 KV heads: the split makes 6 unstable
     model = tiny_model(config)
     monkeypatch.setattr(host_limits, "cgroup_room", lambda: None)
     reference = FlexiCache.from_model(model, token_budget=8, page_size=4)
     expected = generate(model, reference)
     needed = reference.stats()["host_reserved_bytes"]
-    assert reference.stats()["unstable_heads"] == 3 and needed == 9 * 2 * (10 + 64) * 2 * 4 * 8 * 8
+    assert reference.stats()["unstable_heads"] == 6 and needed == 18 * 2 * (10 + 64) * 2 * 4 * 8 * 8
     cache = FlexiCache.from_model(model, token_budget=8, page_size=4)
     monkeypatch.setattr(host_limits, "read_meminfo", lambda: {"MemAvailable": HEADROOM_BYTES + needed - 1})
-    with pytest.raises(HostMemoryError, match=r"stable heads \(9 KV heads x batch 2 x 40 tokens"):
+    with pytest.raises(HostMemoryError, match=r"stable heads \(18 KV heads x batch 2 x 40 tokens"):
         generate(model, cache)
     monkeypatch.setattr(host_limits, "read_meminfo", lambda: {"MemAvailable": HEADROOM_BYTES + needed})
     assert torch.equal(generate(model, cache), expected)

@@ -23,7 +23,7 @@ import torch
 from flexicache import host_tier, thread_claims
 from flexicache.backends import DecodeBackend, PreparedBackend
 from flexicache.config import FlexiCacheConfig
-from flexicache.head_split import UNSTABLE_FRACTION
+from flexicache.head_split import unstable_count
 from flexicache.host_limits import check_room, gib, system_limits
 from flexicache.host_pool import BLOCK_BYTES, REMEDY, host_pool
 from flexicache.sequence import SequenceState
@@ -44,6 +44,7 @@ class PagedLayer(Protocol):
     settings: FlexiCacheConfig
     storage: LayerStorage | None
     awaits_head_split: bool
+    profile_unstable: list[int]  # the default profile's unstable heads, the online split's floor
 
 
 def begin_forward(cache: thread_claims.Claimant, layers: Sequence[PagedLayer], sequence: SequenceState,
@@ -122,10 +123,12 @@ def check_host_demand(layers: Sequence[PagedLayer], sequence: SequenceState, key
 
 def planned_stable_heads(layers: Sequence[PagedLayer]) -> list[float]:
     """Each layer's stable heads at its next store. A layer waiting for the online head split
-    (:mod:`flexicache.head_split`) holds every head as stable until the split makes the lowest
-    :data:`~flexicache.head_split.UNSTABLE_FRACTION` of all waiting heads unstable: it counts its share of the rest."""
-    waiting = sum(len(layer.stable_heads) for layer in layers if layer.awaits_head_split)
-    kept = 1 - max(1, math.ceil(UNSTABLE_FRACTION * waiting)) / waiting if waiting else 1.0
+    (:mod:`flexicache.head_split`) holds every head as stable until the split makes
+    :func:`~flexicache.head_split.unstable_count` of all waiting heads unstable: it counts its share of the rest."""
+    waiting = [layer for layer in layers if layer.awaits_head_split]
+    heads = sum(len(layer.stable_heads) for layer in waiting)
+    unstable = unstable_count(heads, sum(len(layer.profile_unstable) for layer in waiting))
+    kept = 1 - unstable / heads if heads else 1.0
     return [len(layer.stable_heads) * (kept if layer.awaits_head_split else 1.0) for layer in layers]
 
 

@@ -6,7 +6,9 @@ forward. In each sparse layer the last :data:`WINDOW` prompt positions are treat
 of each head's top-K page sets between neighbouring positions (:func:`flexicache.profiling.online.prompt_stability`,
 the offline profiler's measure, with the pages scored by the cache's ``spread_weight`` in the model's axes) scores the
 heads. The heads of lowest score, :data:`UNSTABLE_FRACTION` of all the model's heads wherever they are (as the
-offline profiler ranks them), become unstable.
+offline profiler ranks them) but never fewer than :meth:`HeadProfile.default` makes unstable, become unstable (a
+model with few paged heads, such as Gemma 3's one global layer in six with one KV head, keeps as many resident as
+the default profile does: one of Gemma-3-270M's three was 1.064 of dense perplexity at 1/8, two 1.011).
 
 That choice needs every layer's scores, and a layer's storage needs its split. So each layer *parks* its first chunk
 (:class:`OnlineHeadSplit`: its keys and values, its last query) when it has scored its heads, and the last sparse
@@ -130,18 +132,24 @@ def lowest_scores(scores: Sequence[torch.Tensor], fallbacks: Sequence[list[int]]
         fallbacks: per layer, the heads to make unstable when none of the layer's heads has a score.
 
     Returns:
-        Per layer, ascending head indices. Equal scores go to the earlier layer and head first, and at least one
-        head is unstable when any has a score.
+        Per layer, ascending head indices: :func:`unstable_count` of the scored heads, where the fallbacks of the
+        scored layers give the default profile's count. Equal scores go to the earlier layer and head first.
     """
     finite = [(float(score), layer, head) for layer, row in enumerate(scores)
               for head, score in enumerate(row.tolist()) if math.isfinite(score)]
-    count = max(1, math.ceil(UNSTABLE_FRACTION * len(finite))) if finite else 0
-    chosen = sorted(finite)[:count]
+    scored = {layer for _, layer, _ in finite}
+    chosen = sorted(finite)[:unstable_count(len(finite), sum(len(fallbacks[layer]) for layer in scored))]
     unstable: list[list[int]] = [[] for _ in scores]
     for _, layer, head in chosen:
         unstable[layer].append(head)
     return [sorted(heads) if torch.isfinite(row).any() else list(fallback)
             for heads, row, fallback in zip(unstable, scores, fallbacks, strict=True)]
+
+
+def unstable_count(num_scored: int, default_count: int) -> int:
+    """How many of ``num_scored`` heads the split makes unstable: :data:`UNSTABLE_FRACTION` of them, at least one,
+    and at least ``default_count`` (what :meth:`HeadProfile.default` makes unstable among their layers)."""
+    return min(num_scored, max(1, math.ceil(UNSTABLE_FRACTION * num_scored), default_count)) if num_scored else 0
 
 
 def _owning(tensor: torch.Tensor) -> torch.Tensor:
