@@ -275,6 +275,9 @@ PY
             eval_cpu --model smollm2 --suite synthetic \
                 --tasks niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 \
                 --method budget=512,exact_rescore=true --out "$root/levers/synthetic-8k-niah_single_1-16-exact"
+            eval_cpu --model smollm2 --suite synthetic --profile online \
+                --tasks passkey niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 --budget 1024 \
+                --method budget=1024,exact_rescore=true --out "$root/levers/synthetic-8k-exact-online"
             echo "+ levers: the main settings on two other files (a replicate of the perplexity rows above)"
             eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
