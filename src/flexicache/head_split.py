@@ -125,7 +125,7 @@ class OnlineHeadSplit:
 
 
 def lowest_scores(scores: Sequence[torch.Tensor], fallbacks: Sequence[list[int]]) -> list[list[int]]:
-    """Each layer's unstable heads: the :data:`UNSTABLE_FRACTION` of lowest scores over all layers' heads.
+    """Each layer's unstable heads: the lowest scores over all layers' heads (:func:`unstable_count` of them).
 
     Args:
         scores: per layer ``[H]`` head scores (``nan``: cannot tell; such a head stays stable).
