@@ -6,6 +6,7 @@ generation at a covering budget equal to DynamicCache's."""
 from __future__ import annotations
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -63,13 +64,14 @@ def test_the_first_chunks_wait_for_the_last_layer(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(head_split, "request_stability",
                         lambda *args: torch.tensor([next(scores)], dtype=torch.float32))
     split, layers = OnlineHeadSplit(num_layers=2), [torch.nn.Identity(), torch.nn.Identity()]  # any weakref-able
-    chunks = [StagedChunk(None, index, torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8), 0) for index in range(2)]
+    chunks = [StagedChunk(weakref.ref(layers[index]), index, torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8), 0)
+              for index in range(2)]
     query = torch.arange(1 * 4 * 5 * 8, dtype=torch.float32).view(1, 4, 5, 8)
-    assert split.park(layers[0], chunks[0], query, None, SETTINGS, [0]) == []  # fallbacks: the default's 1 head
+    assert split.park(chunks[0], query, None, SETTINGS, [0]) == []  # fallbacks: the default's 1 head
     assert len(split.parked) == 1 and split.parked[0].last_query.shape == (1, 4, 1, 8)
     assert torch.equal(split.parked[0].last_query, query[:, :, -1:])
     assert split.parked[0].last_query.untyped_storage().data_ptr() != query.untyped_storage().data_ptr()
-    assert split.park(layers[1], chunks[1], query, None, SETTINGS, []) == [[1], []]
+    assert split.park(chunks[1], query, None, SETTINGS, []) == [[1], []]
     assert [(entry.layer, entry.chunk) for entry in split.parked] == [(layers[0], chunks[0]), (layers[1], chunks[1])]
     assert split.num_unstable == 1
     split.release_first()  # the caller stored the first chunk; the second stays parked until it is stored
@@ -87,7 +89,7 @@ def test_a_parked_chunk_owns_its_storage(monkeypatch: pytest.MonkeyPatch) -> Non
     values = qkv[..., 2 * 16:].view(1, 5, 2, 8).transpose(1, 2)  # [B, H, T, D] view into qkv
     keys = torch.randn(1, 2, 5, 8)
     mask = torch.ones(1, 1, 5, 5, dtype=torch.bool)[:, 0, -1]  # [B, T] view into a 4D mask
-    split.park(layer, StagedChunk(None, 0, keys, values, 0), torch.zeros(1, 4, 5, 8), mask, SETTINGS, [0])
+    split.park(StagedChunk(weakref.ref(layer), 0, keys, values, 0), torch.zeros(1, 4, 5, 8), mask, SETTINGS, [0])
     parked = split.parked[0]
     assert parked.chunk.keys is keys
     assert torch.equal(parked.chunk.values, values)

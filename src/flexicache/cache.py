@@ -183,13 +183,8 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         if layer_idx == self._first_paged_layer and not self.layers[layer_idx].recording and not self.closed:
             forward_guard.refuse_use_cache_off(kwargs.get("kwargs"))
             forward_guard.begin_forward(self, self._flexi_layers(), self.sequence, self.step_graphs.failed,
-                                        self.backends, key_states)
+                                        self.head_split, self.backends, key_states)
             forward_guard.adopt_unwrapped_forward(self.step_graphs, key_states)
-            if self.head_split is not None and self.head_split.interrupted:  # the prompt was not stored
-                parked = self.head_split.abandon()
-                raise RuntimeError(forward_guard.INTERRUPTED.format(
-                    where=f"layers {parked} parked their first prompt chunk for the head split, which the last of "
-                          f"the cache's {self.head_split.num_layers} paged layers decides and stores"))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @functools.cached_property

@@ -2,7 +2,8 @@
 
 - **State after an error.** An exception inside a forward (in a layer's decode, or in a graphed step's recording)
   leaves some layers one chunk ahead of the others, or host bookkeeping ahead of the device work. Decoding on from
-  there would attend over the wrong tokens silently: the next forward raises instead, saying to ``reset()``.
+  there would attend over the wrong tokens silently: the next forward raises instead, saying to ``reset()``. So
+  does a first forward that ended with prompt chunks still parked for the online head split (nothing stored).
 - **One thread per shared backend** (:mod:`flexicache.thread_claims`).
 - **Host memory before it is taken.** When this forward's tokens will grow the host tiers (or make them), the bytes
   all layers' tiers need together are compared with what the process can still take
@@ -23,7 +24,7 @@ import torch
 from flexicache import host_tier, thread_claims
 from flexicache.backends import DecodeBackend, PreparedBackend
 from flexicache.config import FlexiCacheConfig
-from flexicache.head_split import unstable_count
+from flexicache.head_split import OnlineHeadSplit, unstable_count
 from flexicache.host_limits import check_room, gib, system_limits
 from flexicache.host_pool import BLOCK_BYTES, REMEDY, host_pool
 from flexicache.sequence import SequenceState
@@ -48,17 +49,24 @@ class PagedLayer(Protocol):
 
 
 def begin_forward(cache: thread_claims.Claimant, layers: Sequence[PagedLayer], sequence: SequenceState,
-                  failure: str | None, backends: dict[torch.device, DecodeBackend], key_states: torch.Tensor) -> None:
+                  failure: str | None, head_split: OnlineHeadSplit | None, backends: dict[torch.device, DecodeBackend],
+                  key_states: torch.Tensor) -> None:
     """All the checks of the module docstring, for a forward whose first layer receives ``key_states [B, H, T, D]``.
 
     Args:
         failure: what went wrong in the cache's last graphed step, if anything did (``StepGraphStore.failed``).
+        head_split: the cache's online head split (``None``: it has a profile).
 
     Raises:
         RuntimeError: the cache's state is incomplete after an error, or another thread holds its backend.
         HostMemoryError: the host tiers would not fit.
     """
     check_in_step(layers, sequence, failure)
+    if head_split is not None and head_split.interrupted:  # the prompt was not stored
+        parked = head_split.abandon()
+        raise RuntimeError(INTERRUPTED.format(
+            where=f"layers {parked} parked their first prompt chunk for the head split, which the last of the "
+                  f"cache's {head_split.num_layers} paged layers decides and stores"))
     shared = {device: backend for device, backend in backends.items() if isinstance(backend, PreparedBackend)}
     if shared:
         thread_claims.claim(cache, shared.values(), ", ".join(str(device) for device in shared))

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,10 +48,9 @@ MAX_DISTANCE = 16  # step distances the stability is averaged over (the rerank i
 class ParkedChunk:
     """A layer's first prompt chunk, waiting for the other layers' head scores.
 
-    The layer is held weakly (a parked chunk does not keep a dropped cache's layers alive).
+    The chunk holds its layer weakly (a parked chunk does not keep a dropped cache's layers alive).
     """
 
-    layer_ref: weakref.ref[Any]
     chunk: StagedChunk  # keys/values [B, H, T, D], each owning its storage
     last_query: torch.Tensor  # [B, Hq, 1, D]: seeds the stable heads' selection at the commit
     real_tokens: torch.Tensor | None  # [B, T] bool, None: all real
@@ -61,7 +59,7 @@ class ParkedChunk:
 
     @property
     def layer(self) -> Any:
-        return self.layer_ref()
+        return self.chunk.layer
 
 
 class OnlineHeadSplit:
@@ -99,9 +97,9 @@ class OnlineHeadSplit:
         """The first parked chunk is stored: drop it (a failure before this leaves it parked)."""
         self.parked.pop(0)
 
-    def park(self, layer: Any, chunk: StagedChunk, query: torch.Tensor, real_tokens: torch.Tensor | None,
-             settings: FlexiCacheConfig, fallback: list[int]) -> list[tuple[ParkedChunk, list[int]]]:
-        """Score a layer's heads from its first prompt chunk and park the chunk.
+    def park(self, chunk: StagedChunk, query: torch.Tensor, real_tokens: torch.Tensor | None,
+             settings: FlexiCacheConfig, fallback: list[int]) -> list[list[int]]:
+        """Score a layer's heads from its first prompt chunk (staged by that layer) and park the chunk.
 
         Args:
             query: ``[B, Hq, T, D]`` the chunk's queries (RoPE applied; the last :data:`WINDOW` are read).
@@ -114,7 +112,7 @@ class OnlineHeadSplit:
         """
         scores = request_stability(query, chunk.keys, real_tokens, settings).nanmean(dim=0)  # [H], on its device
         compact = dataclasses.replace(chunk, keys=_owning(chunk.keys), values=_owning(chunk.values))
-        self.parked.append(ParkedChunk(weakref.ref(layer), compact, query[:, :, -1:].clone(),
+        self.parked.append(ParkedChunk(compact, query[:, :, -1:].clone(),
                                        None if real_tokens is None else _owning(real_tokens), scores, list(fallback)))
         if len(self.parked) < self.num_layers:
             return []

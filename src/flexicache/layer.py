@@ -176,7 +176,7 @@ class FlexiLayer(CacheLayerMixin):
             return
         self._check_num_heads(chunk.keys.shape[1])  # an online split: this first prompt chunk waits for the others
         split = self.head_split
-        for unstable in split.park(self, chunk, _detached(query), real_tokens, self.settings, self.profile_unstable):
+        for unstable in split.park(chunk, _detached(query), real_tokens, self.settings, self.profile_unstable):
             parked = split.parked[0]  # in layer order, each released once stored (a failure leaves it parked)
             layer = parked.layer
             if layer is not None:
