@@ -81,6 +81,11 @@ for model in ${models[@]}; do
                 --profile online --method budget=256,exact_rescore=true budget=256,exact_rescore=true,standby_pages=32 \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-replicate-exact-online"
+            # is what the defaults lose at 1/8 the stable heads' staleness? their reranks every step and every 4 steps
+            eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 \
+                --profile online --method budget=256,exact_rescore=true,rerank_interval=1 \
+                budget=256,exact_rescore=true,rerank_interval=4 --data "$stdlib/typing.py" "$stdlib/argparse.py" \
+                --context-length 2048 --prefill 1536 --out "$root/levers/qwen2.5-coder-ppl-2k-exact-rerank-online"
             # the same with HeadProfile.default (no --profile), the split of the qwen2.5-coder/ppl-2k rows
             eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 \
                 --budget 256 128 --method budget=256,exact_rescore=true budget=128,exact_rescore=true \
@@ -151,6 +156,23 @@ for model in ${models[@]}; do
             eval_cpu --model gemma3 --suite synthetic --seed 2 \
                 --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
                 --method budget=1024,exact_rescore=true --out "$root/levers/gemma3-synthetic-8k-niah-exact-seed2"
+            # the same without a profile (the library's default head split), the needle's three seeds
+            eval_cpu --model gemma3 --suite synthetic \
+                --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
+                --profile online --method budget=1024,exact_rescore=true \
+                --out "$root/levers/gemma3-synthetic-8k-passkey-exact-online"
+            eval_cpu --model gemma3 --suite synthetic --seed 0 \
+                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
+                --profile online --method budget=1024,exact_rescore=true \
+                --out "$root/levers/gemma3-synthetic-8k-niah-exact-online"
+            eval_cpu --model gemma3 --suite synthetic --seed 1 \
+                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
+                --profile online --method budget=1024,exact_rescore=true \
+                --out "$root/levers/gemma3-synthetic-8k-niah-exact-online-seed1"
+            eval_cpu --model gemma3 --suite synthetic --seed 2 \
+                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
+                --profile online --method budget=1024,exact_rescore=true \
+                --out "$root/levers/gemma3-synthetic-8k-niah-exact-online-seed2"
             # the 8-token oracle pages on the first 5 needles (the defaults' one miss is the fifth)
             eval_cpu --model gemma3 --suite synthetic \
                 --tasks niah_single_1 --lengths 8192 --limit 5 --max-new-tokens 24 --context-length 8192 --page-size 8 \
