@@ -116,6 +116,15 @@ for model in ${models[@]}; do
                 --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --profile online --budget 1024 --method budget=1024,exact_rescore=true \
                 --out "$root/levers/qwen2.5-coder-synthetic-8k-niah-exact-online"
+            # the same at 16k, budget 2048
+            eval_cpu --model qwen2.5-coder --suite synthetic \
+                --tasks passkey --lengths 16384 --limit 20 --max-new-tokens 24 --context-length 16384 \
+                --page-size 8 --profile online --method budget=2048,exact_rescore=true \
+                --out "$root/levers/qwen2.5-coder-synthetic-16k-passkey-exact-online"
+            eval_cpu --model qwen2.5-coder --suite synthetic \
+                --tasks niah_single_1 --lengths 16384 --limit 20 --max-new-tokens 24 --context-length 16384 \
+                --page-size 8 --profile online --method budget=2048,exact_rescore=true \
+                --out "$root/levers/qwen2.5-coder-synthetic-16k-niah-exact-online"
             eval_cpu --model qwen2.5-coder --suite synthetic \
                 --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --method budget=512,exact_rescore=true \
