@@ -40,6 +40,14 @@ eval_rows() {
         --budget "${budgets[@]}" --oracle --method "${methods[@]}" "$@" --out "$out"
 }
 
+# gemma3_exact_8k TASK OUT [ARGS...]: Gemma-3-270M's synthetic TASK at 8k, 20 samples, the defaults at budget 1024
+# (8-token pages, exact rescoring) beside dense
+gemma3_exact_8k() {
+    local task=$1 out=$2; shift 2
+    eval_cpu --model gemma3 --suite synthetic --tasks "$task" --lengths 8192 --limit 20 --max-new-tokens 24 \
+        --context-length 8192 --page-size 8 --method budget=1024,exact_rescore=true "$@" --out "$out"
+}
+
 for model in ${models[@]}; do
     case $model in
         smollm2)  # 8k context window: synthetic retrieval at 4k and 8k
@@ -153,35 +161,15 @@ for model in ${models[@]}; do
             eval_rows gemma3 "$root/gemma3/ppl-2k" 256 128 budget=256,page_size=8,rerank_interval=2 \
                 budget=256,page_size=8,rerank_interval=2,max_promotions=3 -- --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
-            eval_cpu --model gemma3 --suite synthetic \
-                --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
-                --method budget=1024,exact_rescore=true --out "$root/levers/gemma3-synthetic-8k-passkey-exact"
-            eval_cpu --model gemma3 --suite synthetic \
-                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
-                --method budget=1024,exact_rescore=true --out "$root/levers/gemma3-synthetic-8k-niah-exact"
-            eval_cpu --model gemma3 --suite synthetic --seed 1 \
-                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
-                --method budget=1024,exact_rescore=true --out "$root/levers/gemma3-synthetic-8k-niah-exact-seed1"
-            eval_cpu --model gemma3 --suite synthetic --seed 2 \
-                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
-                --method budget=1024,exact_rescore=true --out "$root/levers/gemma3-synthetic-8k-niah-exact-seed2"
-            # the same without a profile (the library's default head split), the needle's three seeds
-            eval_cpu --model gemma3 --suite synthetic \
-                --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
-                --profile online --method budget=1024,exact_rescore=true \
-                --out "$root/levers/gemma3-synthetic-8k-passkey-exact-online"
-            eval_cpu --model gemma3 --suite synthetic --seed 0 \
-                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
-                --profile online --method budget=1024,exact_rescore=true \
-                --out "$root/levers/gemma3-synthetic-8k-niah-exact-online"
-            eval_cpu --model gemma3 --suite synthetic --seed 1 \
-                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
-                --profile online --method budget=1024,exact_rescore=true \
-                --out "$root/levers/gemma3-synthetic-8k-niah-exact-online-seed1"
-            eval_cpu --model gemma3 --suite synthetic --seed 2 \
-                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
-                --profile online --method budget=1024,exact_rescore=true \
-                --out "$root/levers/gemma3-synthetic-8k-niah-exact-online-seed2"
+            gemma3_exact_8k passkey "$root/levers/gemma3-synthetic-8k-passkey-exact"
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact"
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-seed1" --seed 1
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-seed2" --seed 2
+            # the same without a profile (the library's default head split)
+            gemma3_exact_8k passkey "$root/levers/gemma3-synthetic-8k-passkey-exact-online" --profile online
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-online" --profile online
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-online-seed1" --profile online --seed 1
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-online-seed2" --profile online --seed 2
             # the 8-token oracle pages on the first 5 needles (the defaults' one miss is the fifth)
             eval_cpu --model gemma3 --suite synthetic \
                 --tasks niah_single_1 --lengths 8192 --limit 5 --max-new-tokens 24 --context-length 8192 --page-size 8 \
