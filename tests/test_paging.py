@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flexicache import FlexiCache, HeadProfile
-from flexicache.paging import PageMetadata, PagePool, ResidentPages, grow_dim
+from flexicache.paging import PageMetadata, PagePool, ResidentPages, chunk_tokens, grow_dim
 from flexicache.sequence import SequenceState
 
 
@@ -145,6 +145,36 @@ def test_resident_pages_and_metadata_unit():
         kmin, kmax = page_minmax(keys[0, head], 2)
         assert torch.equal(meta.kmin[0, head, :3], kmin) and torch.equal(meta.kmax[0, head, :3], kmax)
     assert pages.page_slots(torch.tensor([[0, 2, -1], [1, -1, -1]])).tolist()[1][1:] == [-1, -1]
+
+
+@given(batch=st.integers(1, 3), heads=st.integers(1, 3), length=st.integers(2, 40),
+       page_size=st.sampled_from([1, 2, 4, 8, 16]), padded=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_a_prompt_without_padding_folds_its_pages_as_the_general_path_does(batch, heads, length, page_size, padded,
+                                                                           seed):
+    """A first chunk that fills every request alike (``starts_empty_rows``) takes the page-block shortcut of
+    ``chunk_tokens`` and ``PageMetadata.append``: the same tokens and boxes as the general per-token path."""
+    keys = torch.randn(batch, heads, length, 4, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    if padded:  # the same count per request, at other positions: the general path for the tokens, not the boxes
+        valid[:, 0] = False
+    plan = SequenceState(page_size).plan_chunk(0, valid, batch, length, torch.device("cpu"))
+    assert plan.starts_empty_rows
+    tokens = chunk_tokens(keys, plan)
+    assert torch.equal(tokens, keys.permute(0, 2, 1, 3)[plan.batch, plan.chunk_pos])
+    shortcut = PageMetadata(batch, heads, 4, torch.float64, torch.device("cpu"), capacity=0)
+    shortcut.append(tokens, plan)
+    plan.__dict__["starts_empty_rows"] = False  # the cached property overridden: the general path
+    general = PageMetadata(batch, heads, 4, torch.float64, torch.device("cpu"), capacity=0)
+    general.append(tokens, plan)
+    assert torch.equal(shortcut.kmin, general.kmin) and torch.equal(shortcut.kmax, general.kmax)
+
+
+def test_a_prompt_with_uneven_requests_or_after_earlier_tokens_takes_the_general_path():
+    state = SequenceState(page_size=4)
+    valid = torch.tensor([[True, True, True], [False, True, True]])
+    assert not state.plan_chunk(0, valid, 2, 3, torch.device("cpu")).starts_empty_rows
+    assert not state.plan_chunk(1, None, 2, 5, torch.device("cpu")).starts_empty_rows
+    assert not state.plan_chunk(2, None, 2, 1, torch.device("cpu")).starts_empty_rows
 
 
 def test_grow_dim_keeps_contents_and_fills():

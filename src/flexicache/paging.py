@@ -35,6 +35,9 @@ def grown_size(current: int, size: int) -> int:
 
 def chunk_tokens(keys: torch.Tensor, plan: AppendPlan) -> torch.Tensor:
     """``[N, h, D]``: the real tokens of a chunk ``keys [B, h, T, D]`` in plan order."""
+    batch_size, num_heads, length, head_dim = keys.shape
+    if plan.batch.numel() == batch_size * length:  # every position real: plan order is [B, T] row-major
+        return keys.transpose(1, 2).reshape(batch_size * length, num_heads, head_dim)
     return keys.permute(0, 2, 1, 3)[plan.batch, plan.chunk_pos]
 
 
@@ -67,6 +70,9 @@ class PageMetadata:
             self.kmin[plan.batch, :, plan.page] = torch.where(opens, new_keys, torch.minimum(current_min, new_keys))
             self.kmax[plan.batch, :, plan.page] = torch.where(opens, new_keys, torch.maximum(current_max, new_keys))
             return
+        if plan.starts_empty_rows:
+            self._fold_from_empty(new_keys.reshape(batch_size, -1, num_heads, head_dim), plan.page_size)
+            return
         # Several tokens per page: the touched pages' tokens laid out as ``[U, ps, H, D]`` blocks (the rest of a page
         # padded with the reduction's identity) and reduced over the page; a page the chunk continues keeps its old
         # tokens' min/max (a page it opens starts empty). No atomics: one pass per bound.
@@ -82,6 +88,18 @@ class PageMetadata:
             blocks[inverse, plan.offset] = new_keys
             meta[touched_batch, :, touched_page] = combine(meta[touched_batch, :, touched_page],
                                                            reduce(blocks, dim=1))
+
+    def _fold_from_empty(self, keys: torch.Tensor, page_size: int) -> None:
+        """The boxes of the first pages of every row from ``keys [B, n, H, D]``, each request's first ``n`` tokens
+        (a view, no token copied): full pages reduced as ``[B, P, ps, H, D]`` blocks, then the partial last page."""
+        batch_size, length, num_heads, head_dim = keys.shape
+        full = length // page_size
+        for meta, reduce in ((self.kmin, torch.amin), (self.kmax, torch.amax)):
+            if full:
+                blocks = keys[:, :full * page_size].view(batch_size, full, page_size, num_heads, head_dim)
+                meta[:, :, :full] = reduce(blocks, dim=2).transpose(1, 2)
+            if length % page_size:
+                meta[:, :, full] = reduce(keys[:, full * page_size:], dim=1)
 
     def clear_pages(self, batch: torch.Tensor, page: torch.Tensor) -> None:
         """Forget pages ``page [n]`` of requests ``batch [n]`` (every head): min ``+inf``, max ``-inf``, as never

@@ -54,6 +54,15 @@ class AppendPlan:
         return int((self.after_host.max().item() + self.page_size - 1) // self.page_size)
 
     @cached_property
+    def starts_empty_rows(self) -> bool:
+        """Whether every request was empty before this chunk and gets the same number of real tokens ``n``: its
+        tokens in plan order are then ``[B, n]`` row-major, the ``t``-th of a request at page ``t // page_size``,
+        offset ``t % page_size`` (a prompt without padding)."""
+        counts = self.after_host
+        return (not self.is_single_token and not bool(self.before_host.any()) and bool((counts == counts[0]).all())
+                and self.batch.numel() == counts.numel() * int(counts[0]))
+
+    @cached_property
     def full_page_width(self) -> int:
         """Full pages of the longest request after the chunk (the score width a stable rerank needs)."""
         return int((self.after_host - 1).clamp(min=0).max()) // self.page_size
