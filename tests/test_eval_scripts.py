@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -44,6 +45,30 @@ def test_model_step_profile_groups_kernels_by_kind() -> None:
     assert group_of("cudnn_generated_fort_native_sdpa_sm80_flash_fprop").startswith("sdpa attention")
     assert group_of("_page_mass2_kernel") == "FlexiCache Triton kernels"
     assert group_of("void cuda::some_unlisted_kernel") == "other"
+
+
+def test_stable_rerank_variants_patch_only_inside_their_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """eval/stable_rerank_variants.py: the successor variant lifts each page to its predecessor's score less the
+    margin, and every variant puts FlexiCache's methods back when its block ends."""
+    from flexicache import decode_paths, layer
+
+    script = load_script("stable_rerank_variants.py")
+    scores = torch.tensor([[5.0, 1.0, 0.0, 9.0]])
+    monkeypatch.setattr(decode_paths.TorchDecode, "stable_scores", lambda self, query, num_tokens, width: scores)
+    originals = (decode_paths.TorchDecode.__dict__["stable_scores"], decode_paths.TorchDecode.__dict__["rerank_stable"],
+                 layer.FlexiLayer.__dict__["decode"])
+    query = torch.zeros(1, 1, 4)  # head dim 4: a margin of 1 logit is 2 in score units
+    for name in ("successor, margin=1", "recent queries"):
+        with script.variant(name):
+            if name.startswith("successor"):
+                lifted = decode_paths.TorchDecode.stable_scores(None, query, None, 4)
+                assert lifted.tolist() == [[5.0, 3.0, 0.0, 9.0]]  # from the scores before the lift
+            else:
+                assert decode_paths.TorchDecode.__dict__["rerank_stable"] is script.recent_query_rerank
+        assert (decode_paths.TorchDecode.__dict__["stable_scores"], decode_paths.TorchDecode.__dict__["rerank_stable"],
+                layer.FlexiLayer.__dict__["decode"]) == originals
+    totals = {"dense": [math.log(2.0) * 10, 10], "defaults": [math.log(2.2) * 10, 10]}
+    assert script.summary_table(totals).splitlines()[-1] == "| defaults | 2.200 | 1.100 |"
 
 
 def test_layer_budget_split_keeps_the_total_budget() -> None:

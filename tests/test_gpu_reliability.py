@@ -191,7 +191,7 @@ def stored_state(cache: FlexiCache) -> list:
 def test_a_crop_on_the_cuda_path_restores_the_state_before_the_cropped_tokens(cuda_graphs: bool) -> None:
     """Teacher-forced tokens, a snapshot, more tokens, a crop back to the snapshot: every stored token, page min/max
     and host-tier page equals the snapshot's; the same tokens fed again give the same logits (a covering budget:
-    only the order of the pages in a row may differ)."""
+    only the order of the pages in a row may differ) and take no new pool slots."""
     model = tiny_model()
     ids = torch.randint(0, 512, (4, 2000), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     more = torch.randint(0, 512, (4, 37), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
@@ -201,11 +201,13 @@ def test_a_crop_on_the_cuda_path_restores_the_state_before_the_cropped_tokens(cu
     teacher_forced(model, cache, more[:, :20])
     before = stored_state(cache)
     first = teacher_forced(model, cache, more[:, 20:])
+    slots_used = [layer.storage.pool.used for layer in cache.layers]
     cache.crop(-17)
     after = stored_state(cache)
     assert all(torch.equal(a, b) for a, b in zip(after, before))
     again = teacher_forced(model, cache, more[:, 20:])
     assert relative_error(again, first) <= 2e-2
+    assert [layer.storage.pool.used for layer in cache.layers] == slots_used  # the cropped pages' slots reused
     assert (cache.stats()["step_graph_replays"] > 0) == cuda_graphs
 
 

@@ -499,7 +499,7 @@ def host_state(flexi) -> list:
     state = [sequence.num_chunks, sequence.logical_length, sequence.last_chunk_start, sequence.decode_steps,
              sequence.num_tokens_host.tolist(), id(sequence.last_plan)]
     for layer in flexi.layers:
-        state += [layer.num_chunks, layer.get_seq_length(), layer.unstable_counters.reranks]
+        state += [layer.num_chunks, layer.get_seq_length(), layer.unstable_reranks]
         offloaded = layer.storage.offloaded
         if offloaded is not None:
             state += [offloaded.steps_since_rerank, offloaded.counters.reranks, offloaded.counters.bytes_d2h]

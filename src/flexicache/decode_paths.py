@@ -365,11 +365,12 @@ class GraphedDecode(FusedDecode):
     def step_ready(self, next_pages: int) -> bool:
         """Whether this layer's next decode step can be recorded into a whole-step CUDA graph: it ran a step on the
         graph path before (static buffers, scale and compiled kernels exist), transfers are zero-copy (torch
-        transfers wait for the device) and the fused selection still fits once the next token's page is reserved
-        (``next_pages``: the longest request's pages after one more token)."""
-        offloaded = self.storage.offloaded
+        transfers wait for the device), no crop left pages whose pool slots the next tokens reuse (the recorded
+        page opening takes new slots; the eager step reuses them) and the fused selection still fits once the next
+        token's page is reserved (``next_pages``: the longest request's pages after one more token)."""
+        offloaded, resident = self.storage.offloaded, self.storage.resident
         if not (self.graph is not None and self.scale is not None and self.settings.cuda_graphs
-                and (offloaded is None or offloaded.zero_copy)):
+                and (offloaded is None or offloaded.zero_copy) and (resident is None or resident.spare is None)):
             return False
         return selection_fits_after_growth(self.storage.meta.kmin.shape[2], next_pages)
 

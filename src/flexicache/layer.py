@@ -1,8 +1,9 @@
 """``FlexiLayer``: one decoder layer's KV in a FlexiCache, with transformers' cache-layer protocol.
 
 The layer holds its :class:`~flexicache.storage.LayerStorage` (device pages, page metadata, host tier) and its decode
-path (:mod:`flexicache.decode_paths`), both made at the first ``update``, and orchestrates them: a prefill chunk is
-committed into the pages after dense attention, and a decode token is appended and attended sparsely. Lengths and
+path (:mod:`flexicache.decode_paths`), both made at the first ``update`` (without a profile: at the first commit,
+once the head split is known), and orchestrates them: a prefill chunk is committed into the pages before its dense
+attention, and a decode token is appended and attended sparsely. Lengths and
 step counts live in the cache's shared :class:`~flexicache.sequence.SequenceState`; the layer keeps how many chunks
 it stored and its own work counters.
 
@@ -24,7 +25,6 @@ from flexicache.config import FlexiCacheConfig
 from flexicache.decode_graph import StepInputs
 from flexicache.decode_paths import DecodePath, GraphedDecode
 from flexicache.head_split import OnlineHeadSplit
-from flexicache.offload import TransferCounters
 from flexicache.sequence import AppendPlan, SequenceState
 from flexicache.storage import LayerStorage
 
@@ -70,7 +70,7 @@ class FlexiLayer(CacheLayerMixin):
         self.backend: DecodeBackend | None = None
         self.path: DecodePath | None = None
         self.graphed: GraphedDecode | None = None  # the path, when it is the CUDA-graph one
-        self.unstable_counters = TransferCounters()
+        self.unstable_reranks = 0  # rows of unstable heads reranked (one per row and decode step)
 
     @property
     def awaits_head_split(self) -> bool:
@@ -254,7 +254,7 @@ class FlexiLayer(CacheLayerMixin):
         """
         storage = self.storage
         if storage.resident is not None:
-            self.unstable_counters.reranks += storage.batch_size * len(self.unstable_heads)
+            self.unstable_reranks += storage.batch_size * len(self.unstable_heads)
         offloaded = storage.offloaded
         if offloaded is None:
             return 0
@@ -332,7 +332,7 @@ class FlexiLayer(CacheLayerMixin):
         storage = self.storage
         token_bytes = 2 * storage.head_dim * torch.empty(0, dtype=storage.dtype).element_size()  # K + V, one head
         stats = {**storage.byte_counts(self.sequence.num_tokens_host),
-                 "reranks_unstable": self.unstable_counters.reranks, "reranks_stable": 0,
+                 "reranks_unstable": self.unstable_reranks, "reranks_stable": 0,
                  "promoted_pages": 0, "bytes_h2d": 0, "bytes_d2h": 0,
                  "dense_kv_bytes": storage.batch_size * self.num_kv_heads * self.get_seq_length() * token_bytes}
         if storage.offloaded is not None:

@@ -2,7 +2,8 @@
 
 Per row (request, stable head) the device holds ``K + C`` slots: ``K - 1 + C`` for a *working set* of full pages (the
 sink among them) and the last one for the tail page (the page being written, 1..ps tokens); ``K`` is the pages a head
-attends to, ``C`` its standby pages (``standby_pages``; the cache's ``"auto"`` is ``K // 4``). Full pages live in the host tier. A rerank
+attends to, ``C`` its standby pages (``standby_pages``; the cache's ``"auto"`` is ``K // 4``, within
+``MAX_WORKING_SET_SLOTS``). Full pages live in the host tier. A rerank
 scores every full page from the device-resident min/max metadata, takes the top ``K - 1 + C`` as the working set and
 copies only the newly promoted pages to the device; a tail page that fills is copied to the host and takes over a
 working-set slot until the next rerank decides. At every decode step a head attends to its working set's ``K - 1``
@@ -167,8 +168,8 @@ class OffloadedPages:
         self._offload_tails(batch, page, tail_slots)
         rows = self._rows_of(batch)
         # Victim: an empty slot first, else the lowest-scored page. The sink (page 0) is never evicted: earlier
-        # retired tails (score +inf until the next rerank) rank just below it, and a row whose only occupied slot
-        # is the sink keeps its page on the host until the next rerank (its copy below lands on itself).
+        # retired tails (score +inf until the next rerank) rank just below it, and a row whose one working-set slot
+        # holds the sink keeps its page on the host until the next rerank (its copy below lands on itself).
         selected = self.selected[rows]
         keep = self.selected_scores[rows].clamp(max=torch.finfo(self.selected_scores.dtype).max)
         keep = keep.masked_fill(selected == 0, float("inf")).masked_fill(selected < 0, float("-inf"))
@@ -264,7 +265,8 @@ class OffloadedPages:
                 centre[request].copy_(keys.to(centre.dtype).median(dim=0).values)  # in place: graphs read it
 
     def _reserve_host(self, num_pages: int) -> None:
-        """Grow the host tier; on CUDA wait first for the kernels that may still read or write the old one."""
+        """Grow the host tier; on the zero-copy path (kernels read and write the tier in place) wait first for those
+        that may still use the old one."""
         if num_pages > self.host.k.shape[2] > 0 and self.zero_copy:
             torch.cuda.synchronize(self.pool.k.device)
         self.host.reserve(num_pages)
@@ -403,9 +405,9 @@ class OffloadedPages:
         _, _, capacity, page_size, head_dim = source.host.k.shape
         self.host = HostTier(index.numel(), self.num_heads, page_size, head_dim, source.host.k.dtype,
                              source.host.pin_memory, capacity)
-        for target, request in enumerate(index.tolist()):
-            self.host.k[target].copy_(source.host.k[request])
-            self.host.v[target].copy_(source.host.v[request])
+        for new_request, request in enumerate(index.tolist()):
+            self.host.k[new_request].copy_(source.host.k[request])
+            self.host.v[new_request].copy_(source.host.v[request])
         if source.key_centre is not None:
             self.key_centre.copy_(source.key_centre[rows])
         self.counters, self.steps_since_rerank = source.counters, source.steps_since_rerank

@@ -1,7 +1,7 @@
 """Device page storage: per-page key min/max metadata and the page pool of heads that keep every page resident.
 
-Shapes: ``B`` requests, ``h`` KV heads of one class in one layer, ``P`` page capacity, ``ps`` page size,
-``D`` head dim. Rows (request, head) flatten as ``r = b * h + head``.
+Shapes: ``B`` requests, ``H`` KV heads of a layer, ``h`` those of one class (stable or unstable), ``P`` page
+capacity, ``S`` pool slots, ``ps`` page size, ``D`` head dim. Rows (request, head) flatten as ``r = b * h + head``.
 """
 
 from __future__ import annotations
