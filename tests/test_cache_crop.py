@@ -257,6 +257,35 @@ def test_cache_operations_read_nothing_back_densely(operation: str, monkeypatch:
     assert alive == ([] if operation == "crop" else [3, 3, 3])  # each new storage replaces its layer's before the next
 
 
+@pytest.mark.parametrize("operation", ["crop", "select"])
+def test_an_operation_that_fails_part_way_resets_the_cache(operation: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crop or selection whose second layer fails (e.g. out of memory) would leave layers that disagree: the cache
+    is reset before the error goes on, and the next prompt generates as on a fresh cache."""
+    from flexicache import cache as cache_module
+
+    config = tiny_config(num_layers=3)
+    model = tiny_model(config)
+    cache = FlexiCache.from_model(model, profile=mixed_profile(config), token_budget=16, page_size=4)
+    ids, mask = left_pad([random_prompt(40, seed=1), random_prompt(25, seed=2)])
+    greedy(model, ids, cache, mask, 6)
+    name = {"crop": "crop_storage", "select": "select_requests"}[operation]
+    original, calls = getattr(cache_module, name), []
+
+    def failing_on_the_second_layer(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("no room")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cache_module, name, failing_on_the_second_layer)
+    with pytest.raises(torch.OutOfMemoryError):
+        {"crop": lambda: cache.crop(-9), "select": lambda: cache.batch_select_indices(torch.tensor([1, 0]))}[operation]()
+    assert cache.get_seq_length() == 0 and not cache.holds_tokens()
+    monkeypatch.setattr(cache_module, name, original)
+    fresh = FlexiCache.from_model(model, profile=mixed_profile(config), token_budget=16, page_size=4)
+    assert torch.equal(greedy(model, ids, cache, mask, 6), greedy(model, ids, fresh, mask, 6))
+
+
 def test_crop_and_select_arguments() -> None:
     config = tiny_config(num_layers=2)
     model = tiny_model(config)

@@ -203,6 +203,23 @@ def test_step_graph_store_stops_at_the_covering_window():
     assert not store.ready()
 
 
+def test_a_crop_the_sliding_layers_refuse_changes_nothing():
+    """Past its window a sliding layer without past recording cannot roll back (transformers refuses): the crop is
+    refused before any layer or length changes, and the cache decodes on."""
+    model = family_model("qwen2")
+    ids, mask = prompts()
+    cache = FlexiCache.from_model(model, token_budget=16, page_size=8)
+    sequences = greedy(model, ids, cache, mask, 4)
+    length = cache.get_seq_length()
+    assert length > WINDOW
+    with pytest.raises(RuntimeError, match="activate_past_recording"):
+        cache.crop(-3)
+    assert cache.get_seq_length() == length and all(layer.get_seq_length() == length for layer in cache.layers)
+    with torch.inference_mode():
+        model(input_ids=sequences[:, -1:], past_key_values=cache)
+    assert cache.get_seq_length() == length + 1
+
+
 def test_close_frees_sliding_layers_and_refuses_later_use():
     model = family_model("qwen2")
     ids, mask = prompts()

@@ -7,7 +7,7 @@ heads keep only a working set of pages plus the tail page on the device (attendi
 types, its sliding-window and chunked layers are :class:`~flexicache.sliding.SlidingWindowLayer` objects that keep
 exactly their window (:mod:`flexicache.hybrid` says which layer is which). The cache holds what its layers share (the
 per-request bookkeeping, the decode backend per device, the whole-step graphs) and the operations on the whole batch
-(reset, crop, reorder, stats).
+(reset, crop, selecting and repeating requests, stats).
 
 A cache nobody refers to is freed by reference counting alone, its host tier and device buffers with it;
 :meth:`FlexiCache.close` (or a ``with`` block) frees them at once.
@@ -15,9 +15,11 @@ A cache nobody refers to is freed by reference counting alone, its host tier and
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -93,7 +95,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         kinds = layer_kinds(config)
         self.head_split = OnlineHeadSplit(sum(kind.sparse for kind in kinds)) if online else None
         _, num_kv_heads, _ = model_shape(config)
-        self.sequence = SequenceState(page_size)
+        self.sequence = SequenceState(self.settings.page_size)
         self.backends: dict[torch.device, DecodeBackend] = {}  # one backend (and plan) per device, for all layers
         self.step_inputs: dict[torch.device, StepInputs] = {}  # per-step device inputs of the CUDA-graph path
         layers = [
@@ -209,13 +211,14 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         if keep <= 0:
             self.reset()
             return
-        before = self.sequence.num_tokens_host
-        self.sequence.crop(keep)
-        for layer in self._flexi_layers():
-            with attention.on_device(layer.device):
-                crop_storage(layer.storage, before, self.sequence.num_tokens_host)
-        for layer in self._other_layers():
+        for layer in self._other_layers():  # first: a window layer that cannot roll back refuses before any change
             layer.crop(tokens_to_remove)
+        before = self.sequence.num_tokens_host
+        with self._reset_if_interrupted():
+            self.sequence.crop(keep)
+            for layer in self._flexi_layers():
+                with attention.on_device(layer.device):
+                    crop_storage(layer.storage, before, self.sequence.num_tokens_host)
         self._after_storage_change()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -240,12 +243,23 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         """Make every layer's storage that of requests ``index [B']`` (CPU ``long``), one layer at a time."""
         self._check_usable()
         num_tokens = self.sequence.num_tokens_host
-        for layer in self._flexi_layers():
-            with attention.on_device(layer.device):
-                layer.use_storage(select_requests(layer.storage, index, num_tokens))
-        self.sequence.select(index)
+        with self._reset_if_interrupted():
+            for layer in self._flexi_layers():
+                with attention.on_device(layer.device):
+                    layer.use_storage(select_requests(layer.storage, index, num_tokens))
+            self.sequence.select(index)
         self.step_inputs.clear()  # sized for the old batch
         self._after_storage_change()
+
+    @contextlib.contextmanager
+    def _reset_if_interrupted(self) -> Iterator[None]:
+        """Around an operation that changes the layers' storage one after another: one that fails part-way (e.g.
+        out of memory) leaves layers that no longer agree, so the cache is reset (emptied) before the error goes on."""
+        try:
+            yield
+        except BaseException:
+            self.reset()
+            raise
 
     def _check_usable(self) -> None:
         """Refuse a cache operation on a closed cache or one whose last forward stopped part-way."""

@@ -39,10 +39,12 @@ class FlexiCacheConfig:
         standby_pages: pages a stable head keeps on the device beyond the ``K`` it attends to (``C``): a rerank
             takes its top ``K - 1 + C`` pages, and every decode step attends to the ``K - 1`` of them that score best
             for that step's query (plus the tail page), so the selection follows the queries between reranks without
-            scoring every page or copying anything. ``"auto"`` (the default): ``K // 4``; ``0``: the paper's stable
-            heads (the rerank's top ``K - 1`` until the next rerank). Costs ``C`` device pages per stable head and
-            the scores of ``K - 1 + C`` page boxes per stable head and step.
-        group_reduce: how page scores of the query heads of one GQA group are combined, ``"max"`` or ``"sum"``.
+            scoring every page or copying anything. ``"auto"`` (the default): ``K // 4`` (within
+            ``MAX_WORKING_SET_SLOTS`` slots); ``0``: the paper's stable heads (the rerank's top ``K - 1`` until the
+            next rerank). Costs ``C`` device pages per stable head and the scores of ``K - 1 + C`` pages per stable
+            head and step (their keys' attention mass with ``exact_rescore``, else their boxes).
+        group_reduce: how the box scores of the query heads of one GQA group are combined, ``"max"`` or ``"sum"``
+            (exact rescoring always sums their attention shares).
         spread_weight: how much a page's key spread counts in its score, in ``[0, 1]``: a page scores
             ``q . centre + spread_weight * |q| . radius`` of its key box (:func:`~flexicache.selection.quest_page_scores`);
             ``1.0`` is Quest's upper bound, ``0.5`` (the default) measured closer to dense attention (eval/RESULTS.md).
@@ -50,7 +52,7 @@ class FlexiCacheConfig:
             (:mod:`flexicache.key_basis`; the default): tighter boxes, the same attention; costs a ``[D, D]`` basis
             per row and two small matrix products per layer and step. ``False``: boxes in the model's axes (Quest).
         exact_rescore: choose the pages a head attends to among candidates by their keys' exact attention mass
-            (:func:`~flexicache.selection.exact_page_scores`), not by their boxes (the default): an unstable head's
+            (:func:`~flexicache.selection.exact_page_scores`; the default), not by their boxes: an unstable head's
             top ``2K`` pages by box score, a stable head's ``K - 1 + C`` pages on the device. Reads the candidates'
             keys at every step (in the fused kernels on CUDA, :mod:`flexicache.backends.triton_exact`: 1.07x the
             decode step of ``False``, BENCHMARKS.md). ``False``: the pages of the best box scores (Quest's way).

@@ -1,7 +1,7 @@
 """One layer's CUDA decode step (token append, page scoring, selection, sparse FlashInfer decode) as a CUDA graph.
 
-Launched one by one from Python, the four small kernels of a layer's decode step cost more host time than the GPU
-spends on them. :class:`DecodeGraph` captures them once and replays them at every later step. The captured
+Launched one by one from Python, the small kernels of a layer's decode step (append, the key-basis products, page
+scoring, exact rescoring, selection, decode) cost more host time than the GPU spends on them. :class:`DecodeGraph` captures them once and replays them at every later step. The captured
 kernels read every per-step value from storage that never moves: the layer's static query/key/value buffers
 (filled by three copies per step), the device's :class:`StepInputs` (filled once per step for all layers) and
 FlashInfer's plan buffers (filled by the step's ``plan()``). Whatever reallocates (page pool, page metadata or

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from flexicache.selection import spread_weights
 
-MAX_SCORED_PAGES = 16384  # pages per row the selection holds in registers (262k tokens at page size 16)
+MAX_SCORED_PAGES = 16384  # pages per row the selection holds in registers (131k tokens at page size 8)
 # Launch settings measured on the H200 (eval/gpu_kernel_sweep.py, BENCHMARKS.md): 32k context, batch 8.
 SCORE_BLOCK = 32  # pages per scoring program
 SCORE_WARPS = 4
