@@ -1,11 +1,12 @@
 """One layer's CUDA decode step (token append, page scoring, selection, sparse FlashInfer decode) as a CUDA graph.
 
 Launched one by one from Python, the small kernels of a layer's decode step (append, the key-basis products, page
-scoring, exact rescoring, selection, decode) cost more host time than the GPU spends on them. :class:`DecodeGraph` captures them once and replays them at every later step. The captured
-kernels read every per-step value from storage that never moves: the layer's static query/key/value buffers
-(filled by three copies per step), the device's :class:`StepInputs` (filled once per step for all layers) and
-FlashInfer's plan buffers (filled by the step's ``plan()``). Whatever reallocates (page pool, page metadata or
-page table growth, a new plan wrapper) changes the graph's storage key, and the next step re-captures.
+scoring, exact rescoring, selection, decode) cost more host time than the GPU spends on them. :class:`DecodeGraph`
+captures them once and replays them at every later step. The captured kernels read every per-step value from storage
+that never moves: the layer's static query/key/value buffers (filled by three copies per step), the device's
+:class:`StepInputs` (filled once per step for all layers) and FlashInfer's plan buffers (filled by the step's
+``plan()``). Whatever reallocates (page pool, page metadata or page table growth, a new plan wrapper) changes the
+graph's storage key, and the next step re-captures.
 """
 
 from __future__ import annotations
