@@ -263,6 +263,16 @@ PY
             eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 96 \
                 --method budget=96,exact_rescore=true,standby_pages=12 --out "$root/levers/ppl-1.5k-16-exact-standby"
+            echo "+ levers: a long generation (1k tokens prefilled, 2k decoded) without a profile, against the paper's setting"
+            eval_cpu --model smollm2 --suite ppl --page-size 8 --profile online \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 3072 --prefill 1024 --budget 384 256 \
+                --oracle --method budget=384,exact_rescore=true budget=256,exact_rescore=true \
+                budget=256,page_size=16,standby_pages=0,spread_weight=1.0,principal_bounds=false \
+                --out "$root/levers/ppl-3k-decode-2k-exact-online"
+            eval_cpu --model smollm2 --suite ppl --page-size 8 --profile online \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 3072 --prefill 1024 \
+                --method budget=384,exact_rescore=true,standby_pages=48 budget=256,exact_rescore=true,standby_pages=32 \
+                --out "$root/levers/ppl-3k-decode-2k-exact-standby-online"
             echo "+ levers: passkey and needle at 4k, the exact second stage beside the defaults"
             eval_cpu --model smollm2 --suite synthetic \
                 --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
