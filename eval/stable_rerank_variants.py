@@ -7,7 +7,7 @@ goes less stale over the 16 steps until the next one, against FlexiCache's defau
 - ``recent queries``: a page's score is the highest of its box scores for the current query and the previous 4 decode
   steps' queries, so the working set also covers what the last few queries wanted.
 
-Both change only the scores the rerank ranks (:meth:`flexicache.decode_paths.TorchDecode.rerank_stable`, the CPU
+Both change only the scores the rerank ranks (:meth:`flexicache.decode_paths.TorchDecode.stable_scores`, the CPU
 path); everything else is the defaults (no profile: the head split from the prompt). Each file: its first
 ``context`` tokens, ``prefill`` of them in one forward, the rest scored one token per forward
 (:func:`flexicache.evaluation.perplexity.decode_nll`), budget 1/8 of the context.
@@ -31,7 +31,6 @@ from transformers import DynamicCache
 from flexicache import FlexiCache, decode_paths, layer
 from flexicache.evaluation.perplexity import decode_nll, perplexity, stdlib_file
 from flexicache.models import load_model
-from flexicache.sequence import per_row
 
 # model -> (context, prefill, budget): the `ppl-1.5k` and `qwen2.5-coder: ppl-2k` rows of eval/RESULTS.md at 1/8
 SETTINGS = {"smollm2": (1536, 1024, 192), "qwen2.5-coder": (2048, 1536, 256)}
@@ -51,19 +50,20 @@ def successor_scores(margin: float) -> Callable[..., torch.Tensor]:
     return stable_scores
 
 
-def recent_query_rerank(self: Any, query: torch.Tensor, num_tokens: torch.Tensor, width: int,
-                        decode: bool = True) -> None:
-    """``rerank_stable`` ranking each page by its best box score over the current and the recent decode queries."""
-    storage = self.storage
-    queries = [query] + (list(storage.__dict__.get("recent_queries", ())) if decode else [])
-    scores = None
-    for past in queries:
-        grouped = storage.bound_rows(storage.group_queries(past, storage.stable_index), storage.stable_index)
-        step_scores = self.stable_scores(grouped, num_tokens, width)
-        scores = step_scores if scores is None else torch.maximum(scores, step_scores)
-    full_pages = (num_tokens - 1).clamp(min=0) // self.settings.page_size
-    storage.offloaded.rerank(scores, per_row(full_pages, len(storage.stable_heads)),
-                             self.settings.max_promotions if decode else None)
+def recent_query_scores() -> Callable[..., torch.Tensor]:
+    """A ``stable_scores`` giving each page its best box score over the current query and the recent decode queries
+    the storage keeps (none before the first decode step)."""
+    original = decode_paths.TorchDecode.stable_scores
+
+    def stable_scores(self: Any, query: torch.Tensor, num_tokens: torch.Tensor, width: int) -> torch.Tensor:
+        storage = self.storage
+        scores = original(self, query, num_tokens, width)  # [rows, width]
+        for past in storage.__dict__.get("recent_queries", ()):
+            grouped = storage.bound_rows(storage.group_queries(past, storage.stable_index), storage.stable_index)
+            scores = torch.maximum(scores, original(self, grouped, num_tokens, width))
+        return scores
+
+    return stable_scores
 
 
 def remembering_decode(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -85,7 +85,7 @@ def variant(name: str) -> Iterator[None]:
     if name.startswith("successor"):
         patches.append((decode_paths.TorchDecode, "stable_scores", successor_scores(float(name.split("=")[1]))))
     elif name == "recent queries":
-        patches.append((decode_paths.TorchDecode, "rerank_stable", recent_query_rerank))
+        patches.append((decode_paths.TorchDecode, "stable_scores", recent_query_scores()))
         patches.append((layer.FlexiLayer, "decode", remembering_decode(layer.FlexiLayer.decode)))
     saved = [(owner, attribute, owner.__dict__[attribute]) for owner, attribute, _ in patches]
     for owner, attribute, replacement in patches:

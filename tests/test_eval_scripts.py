@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 from types import ModuleType
 
@@ -49,7 +50,8 @@ def test_model_step_profile_groups_kernels_by_kind() -> None:
 
 def test_stable_rerank_variants_patch_only_inside_their_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """eval/stable_rerank_variants.py: the successor variant lifts each page to its predecessor's score less the
-    margin, and every variant puts FlexiCache's methods back when its block ends."""
+    margin, the recent-queries variant takes each page's best score over the kept queries, and every variant puts
+    FlexiCache's methods back when its block ends."""
     from flexicache import decode_paths, layer
 
     script = load_script("stable_rerank_variants.py")
@@ -64,9 +66,17 @@ def test_stable_rerank_variants_patch_only_inside_their_block(monkeypatch: pytes
                 lifted = decode_paths.TorchDecode.stable_scores(None, query, None, 4)
                 assert lifted.tolist() == [[5.0, 3.0, 0.0, 9.0]]  # from the scores before the lift
             else:
-                assert decode_paths.TorchDecode.__dict__["rerank_stable"] is script.recent_query_rerank
+                assert layer.FlexiLayer.__dict__["decode"] is not originals[2]  # it keeps the recent queries
         assert (decode_paths.TorchDecode.__dict__["stable_scores"], decode_paths.TorchDecode.__dict__["rerank_stable"],
                 layer.FlexiLayer.__dict__["decode"]) == originals
+    # the recent-queries scores: each page's best over the current and the kept queries (scores stubbed as queries)
+    monkeypatch.setattr(decode_paths.TorchDecode, "stable_scores", lambda self, query, num_tokens, width: query)
+    kept = [torch.tensor([[0.0, 7.0, 0.0, 0.0]]), torch.tensor([[6.0, 0.0, 2.0, 0.0]])]
+    storage = types.SimpleNamespace(recent_queries=kept, stable_index=None, group_queries=lambda past, heads: past,
+                                    bound_rows=lambda past, heads: past)
+    current = torch.tensor([[5.0, 1.0, 0.0, 9.0]])
+    best = script.recent_query_scores()(types.SimpleNamespace(storage=storage), current, None, 4)
+    assert best.tolist() == [[6.0, 7.0, 2.0, 9.0]]
     totals = {"dense": [math.log(2.0) * 10, 10], "defaults": [math.log(2.2) * 10, 10]}
     assert script.summary_table(totals).splitlines()[-1] == "| defaults | 2.200 | 1.100 |"
 
