@@ -39,9 +39,9 @@ BASELINE_SYSTEM = "flexicache-1024"  # 16-token pages, no standby pages, stable 
 SETTINGS = (
     Setting("16-token pages, stable heads every 16 steps, no standby pages (the paper's)", "p16", "decode_standby",
             BASELINE_SYSTEM, "ppl-1.5k", "flexicache@192"),
-    Setting("8-token pages, a quarter of K on standby (the defaults, box scores alone)", "p8 standby K/4",
+    Setting("8-token pages, a quarter of K on standby (box scores alone)", "p8 standby K/4",
             "decode_standby", "flexicache-1024:page_size=8,standby_pages=32", "ppl-1.5k-page8",
-            "flexicache@192,standby_pages=auto"),
+            "flexicache@192,standby_pages=quarter"),
     Setting("8-token pages, half of K on standby", "p8 standby K/2", "decode_standby",
             "flexicache-1024:page_size=8,standby_pages=64", "ppl-1.5k-page8", "flexicache@192,standby_pages=12"),
     Setting("float8 host tier", "float8 tier", "host_dtype", "flexicache-1024:host_dtype=float8_e4m3fn", "ppl-1.5k",
@@ -73,7 +73,7 @@ ORACLES = (("oracle pages, 16 tokens", "ppl-1.5k"), ("oracle pages, 8 tokens", "
 LABEL_OFFSETS = {"p8 /2 float8": (5, -10), "p8 /1 <=9%": (5, 4), "p8 /1 <=17%": (5, -10), "p8 /2 <=9%": (6, -3),
                  "p8 standby K/4": (-8, 6), "p8 standby K/2": (-8, -10), "p8 /4": (5, 4)}
 KEY = ("p8: 8-token pages; /n: stable heads rerank every n steps; <=x%: at most x% of the selection promoted; "
-       "standby K/4: a quarter of K on standby (the defaults, box scores alone: exact_rescore=False)")
+       "standby K/4: a quarter of K on standby (box scores alone: exact_rescore=False)")
 
 
 def step_ratio(run: str, system: str) -> tuple[float, float]:

@@ -5,7 +5,8 @@ The split: from ``eval/results/cpu/diagnose/typing-2k/diagnosis.json`` (``flexic
 tokens, budgets 128 / 256 / 512), each layer takes 128, 256 or 512 tokens so that the summed mean recall of its
 selection is largest with 256 per layer on average; scaled by 3/4 for 1.5k-token texts (1/8 of the context either
 way). Each file: its first 1536 tokens, 1024 prefilled, the rest scored one token per forward; rows: dense
-(DynamicCache), FlexiCache's defaults at budget 192 (no profile), and the same with each layer's budget set from the
+(DynamicCache), FlexiCache's defaults but a quarter of K on standby (``standby_pages="quarter"``) at budget 192
+(no profile), and the same with each layer's budget set from the
 split (the layers' own ``settings`` replaced before the prefill; a layer's budget also enters its head split from
 the prompt, :mod:`flexicache.head_split`).
 
@@ -65,7 +66,7 @@ def main() -> None:
             if method == "dense":
                 cache = DynamicCache(config=model.config)
             else:
-                cache = FlexiCache(model.config, token_budget=BUDGET)
+                cache = FlexiCache(model.config, token_budget=BUDGET, standby_pages="quarter")
                 if method == "split":
                     for layer, budget in zip(cache.layers, split, strict=True):
                         layer.settings = dataclasses.replace(cache.settings, token_budget=budget)

@@ -1,8 +1,8 @@
 """The accuracy tables of eval/RESULTS.md, from the stored results folders (each folder's metrics.json and
 config.json, as `flexicache eval` leaves them).
 
-One table per folder: a row per (task, budget) with dense, FlexiCache's defaults (:data:`DEFAULTS`, where the folder
-holds them), the oracle pages, FlexiCache at the folder's page size and standby pages (the folder's ``--budget`` rows:
+One table per folder: a row per (task, budget) with dense, FlexiCache at 8-token pages with a quarter of K on standby
+(:data:`PAGE8_ROWS`, where the folder holds them), the oracle pages, FlexiCache at the folder's page size and standby pages (the folder's ``--budget`` rows:
 16-token pages without standby pages, the paper's stable heads, in every folder here), Quest's bound
 (``spread_weight=1.0,principal_bounds=false``) and the variants of :data:`VARIANTS` the folder holds, each as
 score and ratio to dense, the number of samples, and the folder's command; for generated answers also how often each
@@ -20,19 +20,19 @@ from pathlib import Path
 
 from flexicache.config import FlexiCacheConfig
 
-DEFAULTS = ("flexicache@{budget},page_size=8,standby_pages=auto", "FlexiCache (defaults)")
+PAGE8_ROWS = ("flexicache@{budget},page_size=8,standby_pages=quarter", "FlexiCache, 8-token pages, K // 4 standby")
 QUEST_SUFFIX = ",spread_weight=1.0,principal_bounds=False"
-# rows a folder may hold beside the defaults: (method name at "{budget}", column header)
-VARIANTS = (DEFAULTS, ("flexicache@{budget},profile=online", "FlexiCache, head split from the prompt"),
+# rows a folder may hold beside its own: (method name at "{budget}", column header)
+VARIANTS = (PAGE8_ROWS, ("flexicache@{budget},profile=online", "FlexiCache, head split from the prompt"),
             ("flexicache@{budget},rerank_warmup=16", "FlexiCache, `rerank_warmup=16`"))
 
 
 def compared(budget: int, variants: list[str]) -> list[str]:
-    """The methods of one budget's row after dense: the defaults (where among ``variants``), the oracle pages, the
+    """The methods of one budget's row after dense: :data:`PAGE8_ROWS` (where among ``variants``), the oracle pages, the
     folder's FlexiCache rows, Quest's bound and the other ``variants`` (method names at ``{budget}``)."""
     flexi = f"flexicache@{budget}"
-    first = [variant for variant in variants if variant == DEFAULTS[0]]
-    rest = [variant for variant in variants if variant != DEFAULTS[0]]
+    first = [variant for variant in variants if variant == PAGE8_ROWS[0]]
+    rest = [variant for variant in variants if variant != PAGE8_ROWS[0]]
     return [*(variant.format(budget=budget) for variant in first), f"oracle@{budget}", flexi, flexi + QUEST_SUFFIX,
             *(variant.format(budget=budget) for variant in rest)]
 
@@ -45,8 +45,8 @@ def headers(folder_config: dict, variants: list[tuple[str, str]]) -> list[str]:
     folder_rows = f"FlexiCache, {page_size}-token pages" + (", no standby" if standby == 0 else "")
     if folder_config.get("profile") == "online":
         folder_rows += ", head split from the prompt"
-    first = [header for template, header in variants if template == DEFAULTS[0]]
-    rest = [header for template, header in variants if template != DEFAULTS[0]]
+    first = [header for template, header in variants if template == PAGE8_ROWS[0]]
+    rest = [header for template, header in variants if template != PAGE8_ROWS[0]]
     return [*first, f"oracle pages ({page_size} tokens)", folder_rows, "Quest's bound", *rest]
 
 

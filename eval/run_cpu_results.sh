@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU accuracy results of eval/RESULTS.md: per model, task and budget, dense | oracle pages | FlexiCache (its
-# defaults) | Quest's bound (spread_weight=1.0 in the model's axes), budgets at context/8 and context/16 (perplexity:
+# settings) | Quest's bound (spread_weight=1.0 in the model's axes), budgets at context/8 and context/16 (perplexity:
 # of the final context), greedy decoding, fp32 on the CPU, one thread per process. Every folder's rows choose pages
 # by box scores unless they say exact_rescore=true (eval_cpu). Every folder resumes (finished samples are skipped),
 # so the script can be stopped and re-run. Usage: bash eval/run_cpu_results.sh [RESULTS_ROOT] [MODEL...]
@@ -14,23 +14,23 @@ models=("${@:-smollm2 levers profiles qwen2.5-coder gemma3}")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 stdlib=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 
-# flexicache eval on the CPU; --exact-rescore false: the folders' own rows choose pages by box scores (rows with
-# exact_rescore=true are the library's defaults)
+# flexicache eval on the CPU; --exact-rescore false --standby-pages quarter: the folders' own rows choose pages by
+# box scores and keep K // 4 pages on standby (rows with exact_rescore=true and K standby pages, standby_pages=K/8 of
+# the budget at 8-token pages, are the library's defaults)
 eval_cpu() {
-    python -m flexicache.cli eval --device cpu --no-progress --exact-rescore false "$@"
+    python -m flexicache.cli eval --device cpu --no-progress --exact-rescore false --standby-pages quarter "$@"
 }
 
 # eval MODEL OUT BUDGET... [SPEC...] -- ARGS: one folder at 16-token pages without standby pages (the paper's page
-# size and stable heads: the oracle pages, FlexiCache and Quest's bound rows at each budget) with FlexiCache's
-# defaults beside them at each budget (8-token pages, standby pages), and a row per extra method SPEC (e.g.
-# budget=256,profile=online)
+# size and stable heads: the oracle pages, FlexiCache and Quest's bound rows at each budget) with 8-token pages and a
+# quarter of K on standby beside them at each budget, and a row per extra method SPEC (e.g. budget=256,profile=online)
 eval_rows() {
     local model=$1 out=$2; shift 2
     local budgets=() quest=() defaults=() extra=()
     while [[ $1 != -- ]]; do
         if [[ $1 == *=* ]]; then extra+=("$1"); else
             budgets+=("$1"); quest+=("budget=$1,spread_weight=1.0,principal_bounds=false")
-            defaults+=("budget=$1,page_size=8,standby_pages=auto"); fi
+            defaults+=("budget=$1,page_size=8,standby_pages=quarter"); fi
         shift
     done
     shift
@@ -70,8 +70,8 @@ for model in ${models[@]}; do
                 budget=256,host_dtype=float8_e4m3fn budget=256,page_size=8,rerank_interval=2 \
                 budget=256,page_size=8,rerank_interval=2,profile=online \
                 budget=256,page_size=8,rerank_interval=2,max_promotions=3 \
-                budget=256,page_size=8,standby_pages=auto,profile=online \
-                budget=128,page_size=8,standby_pages=auto,profile=online -- --suite ppl \
+                budget=256,page_size=8,standby_pages=quarter,profile=online \
+                budget=128,page_size=8,standby_pages=quarter,profile=online -- --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
             # the library's defaults without a profile beside the oracle pages of their page size (8 tokens), twice
             # the standby pages, reranks every 8 steps, and other spread weights
@@ -116,6 +116,10 @@ for model in ${models[@]}; do
                 --budget 320 160 --method budget=320,exact_rescore=true budget=160,exact_rescore=true \
                 --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24 \
                 --out "$root/levers/qwen2.5-coder-lcc-3k-exact-online"
+            eval_cpu --model qwen2.5-coder --suite lcc --page-size 8 --profile online \
+                --method budget=320,exact_rescore=true,standby_pages=40 budget=160,exact_rescore=true,standby_pages=20 \
+                --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24 \
+                --out "$root/levers/qwen2.5-coder-lcc-3k-exact-standby-online"
             eval_cpu --model qwen2.5-coder --suite synthetic \
                 --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --profile online --budget 1024 --method budget=1024,exact_rescore=true \
@@ -124,6 +128,15 @@ for model in ${models[@]}; do
                 --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --profile online --budget 1024 --method budget=1024,exact_rescore=true \
                 --out "$root/levers/qwen2.5-coder-synthetic-8k-niah-exact-online"
+            # the same with K standby pages (the defaults)
+            eval_cpu --model qwen2.5-coder --suite synthetic \
+                --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
+                --page-size 8 --profile online --method budget=1024,exact_rescore=true,standby_pages=128 \
+                --out "$root/levers/qwen2.5-coder-synthetic-8k-passkey-exact-standby-online"
+            eval_cpu --model qwen2.5-coder --suite synthetic \
+                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
+                --page-size 8 --profile online --method budget=1024,exact_rescore=true,standby_pages=128 \
+                --out "$root/levers/qwen2.5-coder-synthetic-8k-niah-exact-standby-online"
             # the same at 16k, budget 2048
             eval_cpu --model qwen2.5-coder --suite synthetic \
                 --tasks passkey --lengths 16384 --limit 20 --max-new-tokens 24 --context-length 16384 \
@@ -154,9 +167,9 @@ for model in ${models[@]}; do
             # About a minute per row and sample on one core: 1/8 in full, 1/16 with the defaults only;
             # the two tasks in two folders, so that they can run side by side on two cores (a folder stopped early:
             # --summarize-only, its n in the table)
-            eval_rows gemma3 "$root/gemma3/synthetic-8k" 1024 budget=512,page_size=8,standby_pages=auto -- \
+            eval_rows gemma3 "$root/gemma3/synthetic-8k" 1024 budget=512,page_size=8,standby_pages=quarter -- \
                 --suite synthetic --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24
-            eval_rows gemma3 "$root/gemma3/niah-8k" 1024 budget=512,page_size=8,standby_pages=auto -- \
+            eval_rows gemma3 "$root/gemma3/niah-8k" 1024 budget=512,page_size=8,standby_pages=quarter -- \
                 --suite synthetic --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
             eval_rows gemma3 "$root/gemma3/ppl-2k" 256 128 budget=256,page_size=8,rerank_interval=2 \
                 budget=256,page_size=8,rerank_interval=2,max_promotions=3 -- --suite ppl \
@@ -205,6 +218,15 @@ PY
                 --budget 256 128 --method budget=256,exact_rescore=true,standby_pages=32 \
                 budget=128,exact_rescore=true,standby_pages=16 --data "$stdlib/typing.py" "$stdlib/argparse.py" \
                 --context-length 2048 --prefill 1536 --out "$root/levers/gemma3-ppl-2k-exact-standby"
+            eval_cpu --model gemma3 --suite ppl --page-size 8 --profile online \
+                --method budget=256,exact_rescore=true,standby_pages=32 budget=128,exact_rescore=true,standby_pages=16 \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/gemma3-ppl-2k-exact-standby-online"
+            # passkey and needle without a profile, K standby pages (the defaults)
+            gemma3_exact_8k passkey "$root/levers/gemma3-synthetic-8k-passkey-exact-standby-online" --profile online \
+                --method budget=1024,exact_rescore=true,standby_pages=128
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-standby-online" --profile online \
+                --method budget=1024,exact_rescore=true,standby_pages=128
             ;;
         levers)  # SmolLM2, one budget: each option of the page selection (and the float8 host tier) on its own and
             # combined; perplexity also with the oracle among the top 2K pages by the box scores (the ceiling of an
@@ -224,7 +246,7 @@ PY
                 budget=192,rerank_interval=4 budget=192,rerank_interval=2 budget=192,rerank_warmup=16 \
                 budget=192,rerank_interval=2,host_dtype=float8_e4m3fn budget=192,rerank_interval=1,max_promotions=2 \
                 budget=192,rerank_interval=1,max_promotions=4 budget=192,rerank_interval=2,max_promotions=2 \
-                budget=192,rerank_interval=2,max_promotions=4 budget=192,standby_pages=auto budget=192,standby_pages=12 \
+                budget=192,rerank_interval=2,max_promotions=4 budget=192,standby_pages=quarter budget=192,standby_pages=12 \
                 --out "$root/levers/ppl-1.5k-page8"
             echo "+ levers: ppl, the exact second stage (exact_rescore) beside the defaults"
             eval_cpu --model smollm2 --suite ppl \
@@ -286,6 +308,10 @@ PY
                 --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
                 --page-size 8 --budget 512 --method budget=512,exact_rescore=true,standby_pages=64 \
                 --out "$root/levers/synthetic-4k-exact-standby"
+            eval_cpu --model smollm2 --suite synthetic --profile online \
+                --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
+                --page-size 8 --method budget=512,exact_rescore=true,standby_pages=64 \
+                budget=256,exact_rescore=true,standby_pages=32 --out "$root/levers/synthetic-4k-exact-standby-online"
             echo "+ levers: passkey and needle at 4k, budget 128 (context/budget = 32), the exact second stage"
             eval_cpu --model smollm2 --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
@@ -307,11 +333,15 @@ PY
             eval_cpu --model smollm2 --suite synthetic --profile online \
                 --tasks passkey niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 --budget 1024 \
                 --method budget=1024,exact_rescore=true --out "$root/levers/synthetic-8k-exact-online"
+            eval_cpu --model smollm2 --suite synthetic --profile online \
+                --tasks passkey niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 \
+                --method budget=1024,exact_rescore=true,standby_pages=128 \
+                --out "$root/levers/synthetic-8k-exact-standby-online"
             echo "+ levers: the main settings on two other files (a replicate of the perplexity rows above)"
             eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --page-size 16 --standby-pages 0 --oracle --method budget=192,page_size=8 \
-                budget=192,page_size=8,rerank_interval=2 budget=192,page_size=8,standby_pages=auto \
+                budget=192,page_size=8,rerank_interval=2 budget=192,page_size=8,standby_pages=quarter \
                 budget=192,page_size=8,rerank_interval=2,max_promotions=2 --out "$root/levers/ppl-1.5k-replicate"
             eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \

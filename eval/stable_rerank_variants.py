@@ -1,5 +1,6 @@
 """Experiment (not FlexiCache options): two ways a stable head could choose its working set at a rerank so that it
-goes less stale over the 16 steps until the next one, against FlexiCache's defaults, as decode-mode perplexity.
+goes less stale over the 16 steps until the next one, against FlexiCache's defaults with a quarter of K on standby
+(``standby_pages="quarter"``), as decode-mode perplexity.
 
 - ``successor``: a page scores at least its predecessor's box score less ``margin`` logits (``margin * sqrt(D)`` in
   score units), so the pages that follow the best ones come in with them: a head copying an earlier span moves one
@@ -8,7 +9,7 @@ goes less stale over the 16 steps until the next one, against FlexiCache's defau
   steps' queries, so the working set also covers what the last few queries wanted.
 
 Both change only the scores the rerank ranks (:meth:`flexicache.decode_paths.TorchDecode.stable_scores`, the CPU
-path); everything else is the defaults (no profile: the head split from the prompt). Each file: its first
+path); everything else is those settings (no profile: the head split from the prompt). Each file: its first
 ``context`` tokens, ``prefill`` of them in one forward, the rest scored one token per forward
 (:func:`flexicache.evaluation.perplexity.decode_nll`), budget 1/8 of the context.
 
@@ -111,7 +112,7 @@ def main() -> None:
         ids = tokenizer(stdlib_file(name).read_text(), add_special_tokens=True).input_ids[:context]
         for method in methods:
             cache = (DynamicCache(config=model.config) if method == "dense"
-                     else FlexiCache(model.config, token_budget=budget))
+                     else FlexiCache(model.config, token_budget=budget, standby_pages="quarter"))
             with variant(method):
                 nll, tokens = decode_nll(model, ids, cache, prefill)
             totals[method][0] += nll

@@ -21,10 +21,10 @@ from flexicache import FlexiCache
 
 def expected_bytes(config, profile, real_tokens: list[int], page_size: int, budget: int, element: int):
     """``(device_kv_bytes, host_kv_bytes)`` from the DESIGN: unstable heads' pages in use + stable heads' K + C slots
-    on the device (C = K // 4 standby pages, the default), stable heads' pages on the host."""
+    on the device (C = K standby pages, the default), stable heads' pages on the host."""
     page_bytes = 2 * page_size * config.head_dim * element
     used_pages = sum(cdiv(n, page_size) for n in real_tokens)
-    k = budget // page_size + budget // page_size // 4
+    k = 2 * (budget // page_size)
     device = host = 0
     for layer in range(config.num_hidden_layers):
         unstable = len(profile.unstable_heads_of(layer))

@@ -59,7 +59,7 @@ def test_a_limit_of_a_whole_selection_changes_nothing() -> None:
     model = tiny_model(config, seed=5)
     ids = random_prompt(80, seed=6).view(1, -1)
     outputs = []
-    for limit in (None, 9, 100):  # 9: the stable heads' working set, K - 1 + C = 7 + 2 (standby_pages="auto")
+    for limit in (None, 15, 100):  # 15: the stable heads' working set, K - 1 + C = 7 + 8 (standby_pages="auto")
         cache = checked(FlexiCache.from_model(model, profile=mixed_profile(config), token_budget=32, page_size=4,
                                               rerank_interval=2, max_promotions=limit))
         outputs.append((greedy(model, ids, cache, max_new_tokens=16), cache.stats()["promoted_pages"]))

@@ -165,8 +165,16 @@ def test_a_standby_count_past_the_working_set_limit_is_refused_with_the_limit() 
     assert FlexiCacheConfig(token_budget=512, page_size=8, standby_pages=MAX_WORKING_SET_SLOTS - 64).num_standby_pages
 
 
-def test_auto_follows_the_budget_through_a_replaced_config() -> None:
+def test_auto_and_quarter_follow_the_budget_through_a_replaced_config() -> None:
     config = FlexiCacheConfig(token_budget=2048, page_size=8)
-    assert config.standby_pages == "auto" and config.num_standby_pages == 2048 // 8 // 4
-    assert dataclasses.replace(config, token_budget=128).num_standby_pages == 128 // 8 // 4
+    assert config.standby_pages == "auto" and config.num_standby_pages == 2048 // 8
+    assert dataclasses.replace(config, token_budget=128).num_standby_pages == 128 // 8
+    quarter = dataclasses.replace(config, standby_pages="quarter")
+    assert quarter.num_standby_pages == 2048 // 8 // 4
+    assert dataclasses.replace(quarter, token_budget=128).num_standby_pages == 128 // 8 // 4
     assert dataclasses.replace(config, standby_pages=3).num_standby_pages == 3
+
+
+def test_auto_stays_within_the_working_set_slots() -> None:
+    pages = MAX_WORKING_SET_SLOTS * 3 // 4
+    assert FlexiCacheConfig(token_budget=pages * 8, page_size=8).num_standby_pages == MAX_WORKING_SET_SLOTS - pages

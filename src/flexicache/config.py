@@ -16,7 +16,7 @@ from flexicache.profile import PROFILE_FILENAME, HeadProfile
 
 BackendName = Literal["auto", "reference", "flashinfer"]
 HostDtypeName = Literal["auto", "float8_e4m3fn"]
-STANDBY_SHARE = 4  # standby_pages="auto": a quarter of K
+StandbyName = Literal["auto", "quarter"]
 MAX_WORKING_SET_SLOTS = 4096  # K + C: device slots per stable head (the fused rerank holds them in registers)
 
 
@@ -39,8 +39,10 @@ class FlexiCacheConfig:
         standby_pages: pages a stable head keeps on the device beyond the ``K`` it attends to (``C``): a rerank
             takes its top ``K - 1 + C`` pages, and every decode step attends to the ``K - 1`` of them that score best
             for that step's query (plus the tail page), so the selection follows the queries between reranks without
-            scoring every page or copying anything. ``"auto"`` (the default): ``K // 4`` (within
-            ``MAX_WORKING_SET_SLOTS`` slots); ``0``: the paper's stable heads (the rerank's top ``K - 1`` until the
+            scoring every page or copying anything. ``"auto"`` (the default): ``K``, as many as it attends to
+            (perplexity within +2% of dense on three of four pairs of files where ``K // 4`` is on none, for 1.05x
+            the GPU decode step, eval/RESULTS.md); ``"quarter"``: ``K // 4``, a lighter working set; both within
+            ``MAX_WORKING_SET_SLOTS`` slots. ``0``: the paper's stable heads (the rerank's top ``K - 1`` until the
             next rerank). Costs ``C`` device pages per stable head and the scores of ``K - 1 + C`` pages per stable
             head and step (their keys' attention mass with ``exact_rescore``, else their boxes).
         group_reduce: how the box scores of the query heads of one GQA group are combined, ``"max"`` or ``"sum"``
@@ -80,7 +82,7 @@ class FlexiCacheConfig:
     rerank_interval: int = 16
     rerank_warmup: int = 0
     max_promotions: int | None = None
-    standby_pages: int | Literal["auto"] = "auto"
+    standby_pages: int | StandbyName = "auto"
     group_reduce: Literal["max", "sum"] = "max"
     spread_weight: float = 0.5
     principal_bounds: bool = True
@@ -117,12 +119,14 @@ class FlexiCacheConfig:
                 raise ValueError(f"max_promotions must be 1 or more pages per rerank (None: no limit), "
                                  f"got {self.max_promotions!r}.")
             object.__setattr__(self, "max_promotions", max_promotions)
-        if not (isinstance(self.standby_pages, str) and self.standby_pages == "auto"):
-            standby_pages = integer_argument(self.standby_pages, "standby_pages", "pages, 0 or more, or 'auto'")
+        if not (isinstance(self.standby_pages, str) and self.standby_pages in ("auto", "quarter")):
+            standby_pages = integer_argument(self.standby_pages, "standby_pages",
+                                             "pages, 0 or more, or 'auto' or 'quarter'")
             limit = max(0, MAX_WORKING_SET_SLOTS - token_budget // page_size)
             if not 0 <= standby_pages <= limit:
                 raise ValueError(f"standby_pages must be 0 to {limit} pages (K + standby_pages at most "
-                                 f"{MAX_WORKING_SET_SLOTS} slots per head), or 'auto', got {self.standby_pages!r}.")
+                                 f"{MAX_WORKING_SET_SLOTS} slots per head), or 'auto' or 'quarter', "
+                                 f"got {self.standby_pages!r}.")
             object.__setattr__(self, "standby_pages", standby_pages)
         if not isinstance(self.group_reduce, str) or self.group_reduce not in ("max", "sum"):
             raise ValueError(f"group_reduce must be 'max' or 'sum', got {self.group_reduce!r}.")
@@ -165,9 +169,10 @@ class FlexiCacheConfig:
     @property
     def num_standby_pages(self) -> int:
         """C: pages a stable head keeps on the device beyond the ``K`` it attends to (``standby_pages`` resolved)."""
-        if self.standby_pages == "auto":
-            return min(self.pages_per_head // STANDBY_SHARE, max(0, MAX_WORKING_SET_SLOTS - self.pages_per_head))
-        return self.standby_pages
+        if isinstance(self.standby_pages, int):
+            return self.standby_pages
+        share = self.pages_per_head if self.standby_pages == "auto" else self.pages_per_head // 4
+        return min(share, max(0, MAX_WORKING_SET_SLOTS - self.pages_per_head))
 
 
 def integer_argument(value: object, name: str, expected: str) -> int:

@@ -2,7 +2,7 @@
 
 Per row (request, stable head) the device holds ``K + C`` slots: ``K - 1 + C`` for a *working set* of full pages (the
 sink among them) and the last one for the tail page (the page being written, 1..ps tokens); ``K`` is the pages a head
-attends to, ``C`` its standby pages (``standby_pages``; the cache's ``"auto"`` is ``K // 4``, within
+attends to, ``C`` its standby pages (``standby_pages``; the cache's ``"auto"`` is ``K``, within
 ``MAX_WORKING_SET_SLOTS``). Full pages live in the host tier. A rerank
 scores every full page from the device-resident min/max metadata, takes the top ``K - 1 + C`` as the working set and
 copies only the newly promoted pages to the device; a tail page that fills is copied to the host and takes over a

@@ -357,7 +357,8 @@ def setup_lines(results: dict[str, Any]) -> list[str]:
     software += [f"PYTORCH_CUDA_ALLOC_CONF={env['cuda_alloc_conf']}"] if env.get("cuda_alloc_conf") else []
     graphs = f"; CUDA graphs: {settings['cuda_graphs']}" if settings.get("cuda_graphs") else ""
     standby = settings.get("standby_pages", 0)  # runs that do not record it predate standby pages
-    standby = {0: "no standby pages", "0": "no standby pages", "auto": "standby pages K // 4"}.get(
+    standby = {0: "no standby pages", "0": "no standby pages", "auto": "standby pages K",
+               "quarter": "standby pages K // 4"}.get(
         standby, f"{standby} standby pages")
     # runs that do not record exact_rescore predate it: box scores
     selection = ("attended pages chosen by their keys' attention mass among the box scores' candidates (exact_rescore)"

@@ -52,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, help="tokens per page (default: FlexiCache's)")
     parser.add_argument("--rerank-interval", type=int, help="stable heads' rerank interval (default: FlexiCache's)")
     parser.add_argument("--standby-pages", type=_standby_pages,
-                        help="pages a stable head keeps beyond those it attends to, a number or 'auto' (default: "
-                             "FlexiCache's)")
+                        help="pages a stable head keeps beyond those it attends to: a number, 'auto' (K) or "
+                             "'quarter' (K // 4) (default: FlexiCache's)")
     parser.add_argument("--exact-rescore", type=parse_boolean, metavar="{true,false}",
                         help="choose the attended pages by their keys' attention mass among the box scores' candidates "
                              "(default: FlexiCache's)")
@@ -94,11 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _standby_pages(text: str) -> int | str:
-    """``--standby-pages``: ``auto`` or a number of pages, 0 or more."""
-    if text == "auto":
+    """``--standby-pages``: ``auto``, ``quarter`` or a number of pages, 0 or more."""
+    if text in ("auto", "quarter"):
         return text
     if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of pages, 0 or more, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'quarter' or a number of pages, 0 or more, got {text!r}")
     return int(text)
 
 
