@@ -53,7 +53,8 @@ def make_driver(case: dict, seed: int = 0, principal_bounds: bool = False) -> Dr
     config = tiny_config(group=GROUP, num_kv_heads=NUM_KV, num_layers=NUM_LAYERS, head_dim=HEAD_DIM)
     cache = checked(FlexiCache(config, profile=HeadProfile(NUM_LAYERS, NUM_KV, HEAD_DIM, case["unstable"]),
                                token_budget=case["budget"], page_size=case["page_size"],
-                               rerank_interval=case["interval"], principal_bounds=principal_bounds))
+                               rerank_interval=case["interval"], principal_bounds=principal_bounds,
+                               max_cache_len=case.get("max_cache_len")))
     return Driver(config, cache, seed=seed)
 
 
@@ -196,13 +197,15 @@ def select_case(draw):
     return {"page_size": page_size, "budget": draw(st.integers(2, 4)) * page_size, "interval": draw(st.integers(1, 4)),
             "lengths": [draw(st.integers(1, 30)) for _ in range(batch)], "decode": draw(st.integers(0, 12)),
             "rows": draw(st.lists(st.integers(0, batch - 1), min_size=1, max_size=4)),
-            "unstable": draw(st.sampled_from([[], [(0, 0)], [(0, 1), (1, 0)]])), "seed": draw(st.integers(0, 1000))}
+            "unstable": draw(st.sampled_from([[], [(0, 0)], [(0, 1), (1, 0)]])), "seed": draw(st.integers(0, 1000)),
+            "max_cache_len": draw(st.sampled_from([None, 96]))}
 
 
 @given(select_case())
 def test_selected_requests_hold_the_state_of_a_cache_of_those_requests_alone(case: dict) -> None:
     """batch_select_indices (any order, repeats) leaves exactly the state a cache fed only those requests has,
-    selections and rerank phase included, and decoding on gives its outputs."""
+    selections and rerank phase included (buffers sized by ``max_cache_len`` or grown), and decoding on gives its
+    outputs."""
     generator = torch.Generator().manual_seed(case["seed"])
     batch, chunks = len(case["lengths"]), [prefill(generator, case["lengths"])]
     chunks += [(torch.ones(batch, 1, dtype=torch.long), chunk_inputs(generator, batch, 1))

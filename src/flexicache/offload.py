@@ -403,11 +403,12 @@ class OffloadedPages:
         if source.zero_copy:  # zero-copy kernels (and the side stream's copies) may still write the source tier
             torch.cuda.synchronize(device)
         _, _, capacity, page_size, head_dim = source.host.k.shape
-        self.host = HostTier(index.numel(), self.num_heads, page_size, head_dim, source.host.k.dtype,
-                             source.host.pin_memory, capacity)
+        if self.host.k.shape[2] < capacity:  # the tier this pool was made with (sized by max_cache_len) is too small
+            self.host = HostTier(index.numel(), self.num_heads, page_size, head_dim, source.host.k.dtype,
+                                 source.host.pin_memory, capacity)
         for new_request, request in enumerate(index.tolist()):
-            self.host.k[new_request].copy_(source.host.k[request])
-            self.host.v[new_request].copy_(source.host.v[request])
+            self.host.k[new_request, :, :capacity].copy_(source.host.k[request])
+            self.host.v[new_request, :, :capacity].copy_(source.host.v[request])
         if source.key_centre is not None:
             self.key_centre.copy_(source.key_centre[rows])
         self.counters, self.steps_since_rerank = source.counters, source.steps_since_rerank
