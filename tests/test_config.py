@@ -206,6 +206,16 @@ def test_batch_size_change_without_reset_is_refused():
         greedy(model, ids, cache, None, 2)
 
 
+@pytest.mark.parametrize("profile", [None, "default"])
+def test_an_empty_batch_is_refused_clearly_and_leaves_the_cache_empty(profile):
+    config = tiny_config(num_layers=2)
+    cache = FlexiCache(config, profile=profile, token_budget=32, page_size=8)
+    empty = torch.zeros(0, config.num_key_value_heads, 5, config.head_dim)
+    with pytest.raises(ValueError, match="a batch of no requests"):
+        cache.update(empty, empty, 0)
+    assert cache.get_seq_length() == 0 and not cache.layers[0].is_initialized
+
+
 def test_real_tokens_of_chunk_reads_bool_and_float_masks():
     bool_mask = torch.tensor([[False, True, True], [True, True, True]]).view(2, 1, 1, 3)
     assert real_tokens_of_chunk(bool_mask, 0, 3).tolist() == [[False, True, True], [True, True, True]]

@@ -127,6 +127,9 @@ class FlexiLayer(CacheLayerMixin):
         """
         if self.closed:
             raise RuntimeError(CLOSED_MESSAGE)
+        if not key_states.shape[0]:
+            raise ValueError(f"Layer {self.layer_idx} received keys of shape {tuple(key_states.shape)}: a batch of no "
+                             "requests; pass at least one request.")
         if not self.is_initialized and (self.head_split is None or key_states.shape[2] == 1):
             if self.head_split is not None:  # no prompt to estimate the split from
                 self._use_heads(self.profile_unstable)
