@@ -31,12 +31,13 @@ class LayerStorage:
 
     Args:
         unstable_heads: KV heads that keep every page on the device (the others are stable).
-        reserved_pages: device pages per row to reserve up front (``max_cache_len``'s, capped by the decode path).
+        reserved_device_pages: device pages per row to reserve up front (``settings.reserved_pages``, from
+            ``max_cache_len``, capped by the decode path); the host tier reserves ``settings.reserved_pages`` itself.
     """
 
     @torch.inference_mode(False)  # the buffers are kept across calls (see the module docstring)
     def __init__(self, settings: FlexiCacheConfig, unstable_heads: list[int], num_kv_heads: int, batch_size: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, reserved_pages: int) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device, reserved_device_pages: int) -> None:
         self.settings = settings
         self.num_kv_heads, self.batch_size, self.head_dim = num_kv_heads, batch_size, head_dim
         self.dtype, self.device = dtype, device
@@ -45,16 +46,17 @@ class LayerStorage:
         page_size, pages_per_head = settings.page_size, settings.pages_per_head
         stable_slots = pages_per_head + settings.num_standby_pages  # a stable row's working set and tail page
         self.pool = PagePool(page_size, head_dim, dtype, device, capacity=batch_size * (
-            len(self.unstable_heads) * reserved_pages + len(self.stable_heads) * stable_slots))
+            len(self.unstable_heads) * reserved_device_pages + len(self.stable_heads) * stable_slots))
         self.unstable_index = torch.tensor(self.unstable_heads, dtype=torch.long, device=device)
         self.stable_index = torch.tensor(self.stable_heads, dtype=torch.long, device=device)
-        self.meta = PageMetadata(batch_size, num_kv_heads, head_dim, dtype, device, capacity=reserved_pages)
+        self.meta = PageMetadata(batch_size, num_kv_heads, head_dim, dtype, device, capacity=reserved_device_pages)
         # Pool slot where each (request, head) writes its next decode token: the tail page's slot.
         self.write_slots = torch.full((batch_size, num_kv_heads), -1, dtype=torch.long, device=device)
         self.resident: ResidentPages | None = None
         self.offloaded: OffloadedPages | None = None
         if self.unstable_heads:
-            self.resident = ResidentPages(self.pool, batch_size, len(self.unstable_heads), page_size, reserved_pages)
+            self.resident = ResidentPages(self.pool, batch_size, len(self.unstable_heads), page_size,
+                                          reserved_device_pages)
             self.open_start = torch.zeros(1, dtype=torch.long, device=device)  # whole-step graphs' page opening
         if self.stable_heads:
             self.offloaded = OffloadedPages(self.pool, batch_size, len(self.stable_heads), pages_per_head, page_size,
