@@ -52,7 +52,7 @@ def main() -> None:
 
     def step() -> None:
         inputs = {"keys": token, "values": token, "query": query}
-        if cache.step_graphs.disabled is None and cache.step_graphs.ready():
+        if cache.step_graphs.eager_reason is None and cache.step_graphs.ready():
             run_graphed_step(cache, ("attention layers",), inputs, layers)
         else:
             layers(inputs)

@@ -159,7 +159,7 @@ def test_gpu_scripts_reach_internals_that_exist() -> None:
 
     store = cache.step_graphs  # gpu_step_profile.py times these methods by name
     assert all(callable(getattr(store, name)) for name in load_script("gpu_step_profile.py").BOOKKEEPING)
-    assert store.disabled is None and not store.ready() and store.steps == {}
+    assert store.eager_reason is None and not store.ready() and store.steps == {}
 
     storage, settings = layer.storage, layer.settings  # gpu_kernel_sweep.py
     assert layer.graphed is None and storage.pool.k.dtype == storage.dtype and storage.head_dim == shape.head_dim

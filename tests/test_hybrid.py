@@ -77,8 +77,9 @@ def test_small_budget_holds_less_device_kv_and_the_same_windows(family):
     ids, mask = prompts()
     dense = DynamicCache(config=model.config)
     greedy(model, ids, dense, mask, 24)
+    # no standby pages: the stable heads hold the budget's 2 pages alone (K standby pages would double that)
     cache = FlexiCache.from_model(model, profile=stable_profile(model.config), token_budget=16, page_size=8,
-                                  rerank_interval=4)
+                                  rerank_interval=4, standby_pages=0)
     received = {}  # what each sliding layer's update was given, [B, H, T, D] per call
     for layer in cache.layers:
         if isinstance(layer, SlidingWindowLayer):
@@ -175,12 +176,12 @@ def test_sliding_window_served_as_full_attention_refuses_past_its_window():
 def test_step_graphs_refuse_hybrid_caches():
     model = family_model("gemma3")
     cache = FlexiCache.from_model(model, token_budget=16, page_size=8)
-    assert cache.step_graphs.refusal == cache.step_graphs.disabled == HYBRID_REFUSAL
+    assert cache.step_graphs.refusal == cache.step_graphs.eager_reason == HYBRID_REFUSAL
     ids, mask = prompts()
     greedy(model, ids, cache, mask, 4)
     assert not cache.step_graphs.ready() and cache.stats()["step_graph_captures"] == 0
     full = FlexiCache.from_model(family_model("phi3-long"), token_budget=16, page_size=8)
-    assert full.step_graphs.refusal is None and full.step_graphs.disabled is None
+    assert full.step_graphs.refusal is None and full.step_graphs.eager_reason is None
 
 
 def test_step_graph_store_stops_at_the_covering_window():

@@ -112,7 +112,7 @@ def test_a_forward_that_cannot_be_captured_falls_back_to_eager_steps(monkeypatch
         output = step_graph._record(cache.step_graphs, ("key",), cache,
                                     {"input_ids": torch.ones(1, 1, dtype=torch.long)}, forward)
     assert torch.equal(output, torch.full((1, 1), 2)) and recording == [True]  # the step ran, recorded-mode
-    assert cache.step_graphs.disabled is not None and not cache.step_graphs.steps
+    assert cache.step_graphs.eager_reason is not None and not cache.step_graphs.steps
     assert cache.step_graphs.captures == 0 and not cache.layers[0].recording
 
 

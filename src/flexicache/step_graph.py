@@ -110,12 +110,13 @@ class StepGraphStore:
         self.refusal = refusal
         self.max_length = max_length
         self.steps: dict[tuple, RecordedStep] = {}
-        self.storage: tuple | None = None
-        self.chunk: int | None = None  # the cache's chunk count after the last step run here
+        self.storage_layout: tuple | None = None
+        self.chunks_seen: int | None = None  # the cache's chunk count after the last step run here
         self.pool: tuple | None = None  # one memory pool shared by the graphs (replayed one at a time)
         self.captures = 0
         self.replays = 0
-        self.disabled = refusal  # why this cache runs its steps eagerly (hybrid model, forward that cannot be captured)
+        # why this cache runs its steps eagerly (hybrid model, a forward that cannot be captured); None: it need not
+        self.eager_reason = refusal
         self.failed: str | None = None  # an exception inside a graphed step left the cache's state incomplete
         self.next_reranks: tuple[AppendPlan, tuple[bool, ...]] | None = None  # prepare_next_step's, for its plan
         self.driven = False  # a model forward wrapped by enable_step_graphs has run with this cache
@@ -124,8 +125,8 @@ class StepGraphStore:
     def clear(self) -> None:
         """Drop every graph (their storage is gone: cache reset, rebuild or growth)."""
         self.steps.clear()
-        self.storage = None
-        self.chunk = None
+        self.storage_layout = None
+        self.chunks_seen = None
         self.pool = None
 
     def reset_after_failure(self) -> None:
@@ -143,7 +144,7 @@ class StepGraphStore:
     def ready(self) -> bool:
         """Whether the next decode step's device work can run from a whole-step CUDA graph: every layer, all on one
         CUDA device, ran a decode step on the CUDA graph path already (and can record the next one)."""
-        if not (self.enabled and self.disabled is None and self.sequence.num_tokens_host is not None):
+        if not (self.enabled and self.eager_reason is None and self.sequence.num_tokens_host is not None):
             return False
         if self.max_length is not None and self.sequence.logical_length >= self.max_length:
             return False
@@ -255,7 +256,7 @@ class StepGraphs:
         if cache is not None and cache.step_graphs.refusal is not None and torch.is_tensor(input_ids):
             _warn_refused(cache.step_graphs.refusal, input_ids)
         if (args or cache is None or input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1
-                or kwargs.get("inputs_embeds") is not None or cache.step_graphs.disabled is not None
+                or kwargs.get("inputs_embeds") is not None or cache.step_graphs.eager_reason is not None
                 or input_ids.shape[0] != cache.step_graphs.sequence.batch_size  # the eager path says what is wrong
                 or not cache.step_graphs.ready()):
             return self.eager_forward(*args, **kwargs)
@@ -307,25 +308,26 @@ def run_graphed_step(cache: SupportsStepGraphs, key: tuple, tensors: dict[str, t
         raise RuntimeError(f"A previous decode step of this FlexiCache run as a CUDA graph failed ({store.failed}): "
                            "its state is incomplete. Call cache.reset() and generate again from the prompt.")
     try:
-        if store.storage is not None and store.chunk == store.sequence.num_chunks:  # nothing appended since
-            prepared = store.prepare_replay(store.storage)
+        # nothing appended since the last step run here
+        if store.storage_layout is not None and store.chunks_seen == store.sequence.num_chunks:
+            prepared = store.prepare_replay(store.storage_layout)
             recorded = store.steps.get((key, prepared[0])) if prepared is not None else None
             if recorded is not None:
                 output = _replay(store, recorded, tensors, cache)
                 store.finish_replay(prepared[1])
-                store.chunk = store.sequence.num_chunks
+                store.chunks_seen = store.sequence.num_chunks
                 store.prepare_next_step()
                 return output
         rerank, storage = zip(*store.begin())
-        if storage != store.storage:  # something reallocated: the recorded graphs read freed memory
+        if storage != store.storage_layout:  # something reallocated: the recorded graphs read freed memory
             store.clear()
-            store.storage = storage
+            store.storage_layout = storage
         key = (key, rerank)
         recorded = store.steps.get(key)
         output = (_record(store, key, cache, tensors, forward) if recorded is None
                   else _replay(store, recorded, tensors, cache))
-        store.chunk = store.sequence.num_chunks
-        if store.disabled is None:
+        store.chunks_seen = store.sequence.num_chunks
+        if store.eager_reason is None:
             store.prepare_next_step()
         return output
     except BaseException as error:  # the step's host bookkeeping may have run without its device work
@@ -365,7 +367,7 @@ def _record(store: StepGraphStore, key: tuple, cache: Any, tensors: dict[str, to
         except RuntimeError as error:  # e.g. the forward reads a device value on the host (not capturable)
             handoff.clear_staged()  # a layer's update recorded before the capture failed: nothing will take it
             store.clear()
-            store.disabled = f"{type(error).__name__}: {error}"
+            store.eager_reason = f"{type(error).__name__}: {error}"
             warnings.warn(f"FlexiCache: this model's decode step cannot be captured as a CUDA graph ({error}); "
                           "the cache runs its steps layer by layer from now on.", RuntimeWarning, stacklevel=3)
             return output

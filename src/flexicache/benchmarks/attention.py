@@ -158,7 +158,7 @@ def bench_flexicache(shape: Shape, prompt: list[tuple[torch.Tensor, torch.Tensor
     def step(index: int) -> None:
         keys, values = new_tokens[index % len(new_tokens)]
         inputs = {"keys": keys, "values": values, "query": queries[index % len(queries)]}
-        if step_graph and cache.step_graphs.disabled is None and cache.step_graphs.ready():
+        if step_graph and cache.step_graphs.eager_reason is None and cache.step_graphs.ready():
             run_graphed_step(cache, ("attention layers",), inputs, layers)
         else:
             layers(inputs)
