@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page-size", type=int, default=FlexiCacheConfig.page_size)
     parser.add_argument("--rerank-interval", type=int, default=FlexiCacheConfig.rerank_interval)
     parser.add_argument("--standby-pages", default=FlexiCacheConfig.standby_pages,
-                        type=lambda text: text if text == "auto" else int(text),
-                        help="pages a stable head keeps beyond those it attends to (a number or 'auto')")
+                        type=lambda text: text if text in ("auto", "quarter") else int(text),
+                        help="pages a stable head keeps beyond those it attends to (a number, 'auto': K or "
+                             "'quarter': K // 4)")
     parser.add_argument("--backend", choices=("auto", "reference", "flashinfer"), default="auto")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--sample", action="store_true", help="sample (temperature 0.7) instead of greedy decoding")
