@@ -1,13 +1,13 @@
 """The accuracy tables of eval/RESULTS.md, from the stored results folders (each folder's metrics.json and
 config.json, as `flexicache eval` leaves them).
 
-One table per folder: a row per (task, budget) with dense, FlexiCache at 8-token pages with a quarter of K on standby
-(:data:`PAGE8_ROWS`, where the folder holds them), the oracle pages, FlexiCache at the folder's page size and standby pages (the folder's ``--budget`` rows:
-16-token pages without standby pages, the paper's stable heads, in every folder here), Quest's bound
-(``spread_weight=1.0,principal_bounds=false``) and the variants of :data:`VARIANTS` the folder holds, each as
-score and ratio to dense, the number of samples, and the folder's command; for generated answers also how often each
-method's output is dense's, token for token; folders under ``levers/`` and ``profiles/`` get one row per method instead (every setting they
-compare).
+One table per folder: a row per (task, budget) with dense, FlexiCache at 8-token pages with a quarter of K on
+standby (:data:`PAGE8_ROWS`, where the folder holds them), the oracle pages, FlexiCache at the folder's page size and
+standby pages (the folder's ``--budget`` rows: 16-token pages without standby pages, the paper's stable heads, in
+every folder here), Quest's bound (``spread_weight=1.0,principal_bounds=false``) and the variants of
+:data:`VARIANTS` the folder holds, each as score and ratio to dense, the number of samples, and the folder's command;
+for generated answers also how often each method's output is dense's, token for token; folders under ``levers/`` and
+``profiles/`` get one row per method instead (every setting they compare).
 ``python eval/results_tables.py eval/results/cpu`` prints them; ``--update eval/RESULTS.md`` writes them between that
 file's ``<!-- results-tables -->`` and ``<!-- /results-tables -->`` lines.
 """

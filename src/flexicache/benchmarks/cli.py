@@ -36,7 +36,8 @@ OPTIONS: dict[str, tuple[type, str | None, str]] = {
     "unstable_fraction": (float, None, "share of each layer's KV heads that are unstable (random choice)"),
     "rerank_interval": (int, None, "stable heads' rerank interval"),
     "page_size": (int, None, "tokens per page"),
-    "standby_pages": (str, None, "pages a stable head keeps beyond those it attends to: a number, 'auto' (K) or 'quarter' (K // 4)"),
+    "standby_pages": (str, None, ("pages a stable head keeps beyond those it attends to: a number, 'auto' (K) or "
+                                  "'quarter' (K // 4)")),
     "exact_rescore": (parse_boolean, None, ("true: the attended pages chosen by their keys' attention mass among "
                                             "the box scores' candidates; false: by the box scores")),
     "seed": (int, None, "random seed"),
