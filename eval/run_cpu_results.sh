@@ -15,8 +15,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 stdlib=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 
 # flexicache eval on the CPU; --exact-rescore false --standby-pages quarter: the folders' own rows choose pages by
-# box scores and keep K // 4 pages on standby (rows with exact_rescore=true and K standby pages, standby_pages=K/8 of
-# the budget at 8-token pages, are the library's defaults)
+# box scores and keep K // 4 pages on standby (rows with exact_rescore=true and K standby pages, spelled
+# standby_pages=budget/8 at 8-token pages, are the library's defaults)
 eval_cpu() {
     python -m flexicache.cli eval --device cpu --no-progress --exact-rescore false --standby-pages quarter "$@"
 }
@@ -40,12 +40,12 @@ eval_rows() {
         --budget "${budgets[@]}" --oracle --method "${methods[@]}" "$@" --out "$out"
 }
 
-# gemma3_exact_8k TASK OUT [ARGS...]: Gemma-3-270M's synthetic TASK at 8k, 20 samples, the defaults at budget 1024
-# (8-token pages, exact rescoring) beside dense
+# gemma3_exact_8k TASK OUT METHOD [ARGS...]: Gemma-3-270M's synthetic TASK at 8k, 20 samples, 8-token pages, the
+# FlexiCache row METHOD (e.g. budget=1024,exact_rescore=true) beside dense
 gemma3_exact_8k() {
-    local task=$1 out=$2; shift 2
+    local task=$1 out=$2 method=$3; shift 3
     eval_cpu --model gemma3 --suite synthetic --tasks "$task" --lengths 8192 --limit 20 --max-new-tokens 24 \
-        --context-length 8192 --page-size 8 --method budget=1024,exact_rescore=true "$@" --out "$out"
+        --context-length 8192 --page-size 8 --method "$method" "$@" --out "$out"
 }
 
 for model in ${models[@]}; do
@@ -174,16 +174,16 @@ for model in ${models[@]}; do
             eval_rows gemma3 "$root/gemma3/ppl-2k" 256 128 budget=256,page_size=8,rerank_interval=2 \
                 budget=256,page_size=8,rerank_interval=2,max_promotions=3 -- --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536
-            gemma3_exact_8k passkey "$root/levers/gemma3-synthetic-8k-passkey-exact"
-            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact"
-            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-seed1" --seed 1
-            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-seed2" --seed 2
+            gemma3_exact_8k passkey "$root/levers/gemma3-synthetic-8k-passkey-exact" budget=1024,exact_rescore=true
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact" budget=1024,exact_rescore=true
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-seed1" budget=1024,exact_rescore=true --seed 1
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-seed2" budget=1024,exact_rescore=true --seed 2
             # the same without a profile (the library's default head split)
-            gemma3_exact_8k passkey "$root/levers/gemma3-synthetic-8k-passkey-exact-online" --profile online
-            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-online" --profile online
-            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-online-seed1" --profile online --seed 1
-            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-online-seed2" --profile online --seed 2
-            # the 8-token oracle pages on the first 5 needles (the defaults' one miss is the fifth)
+            gemma3_exact_8k passkey "$root/levers/gemma3-synthetic-8k-passkey-exact-online" budget=1024,exact_rescore=true --profile online
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-online" budget=1024,exact_rescore=true --profile online
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-online-seed1" budget=1024,exact_rescore=true --profile online --seed 1
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-online-seed2" budget=1024,exact_rescore=true --profile online --seed 2
+            # the 8-token oracle pages on the first 5 needles (the exact rows' one miss is the fifth)
             eval_cpu --model gemma3 --suite synthetic \
                 --tasks niah_single_1 --lengths 8192 --limit 5 --max-new-tokens 24 --context-length 8192 --page-size 8 \
                 --budget 1024 --oracle --out "$root/levers/gemma3-synthetic-8k-niah-oracle8"
@@ -223,10 +223,10 @@ PY
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/gemma3-ppl-2k-exact-standby-online"
             # passkey and needle without a profile, K standby pages (the defaults)
-            gemma3_exact_8k passkey "$root/levers/gemma3-synthetic-8k-passkey-exact-standby-online" --profile online \
-                --method budget=1024,exact_rescore=true,standby_pages=128
-            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-standby-online" --profile online \
-                --method budget=1024,exact_rescore=true,standby_pages=128
+            gemma3_exact_8k passkey "$root/levers/gemma3-synthetic-8k-passkey-exact-standby-online" \
+                budget=1024,exact_rescore=true,standby_pages=128 --profile online
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-standby-online" \
+                budget=1024,exact_rescore=true,standby_pages=128 --profile online
             ;;
         levers)  # SmolLM2, one budget: each option of the page selection (and the float8 host tier) on its own and
             # combined; perplexity also with the oracle among the top 2K pages by the box scores (the ceiling of an

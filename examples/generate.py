@@ -30,7 +30,7 @@ from transformers import TextStreamer
 
 from flexicache import FlexiCache, HeadProfile
 from flexicache.cli import DTYPE_HELP, DTYPES, resolve_device, resolve_dtype
-from flexicache.config import FlexiCacheConfig
+from flexicache.config import STANDBY_NAMES, FlexiCacheConfig
 from flexicache.models import SMOLLM2, cache_keyword, load_model
 from flexicache.profiles import shipped_profile_path
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page-size", type=int, default=FlexiCacheConfig.page_size)
     parser.add_argument("--rerank-interval", type=int, default=FlexiCacheConfig.rerank_interval)
     parser.add_argument("--standby-pages", default=FlexiCacheConfig.standby_pages,
-                        type=lambda text: text if text in ("auto", "quarter") else int(text),
+                        type=lambda text: text if text in STANDBY_NAMES else int(text),
                         help="pages a stable head keeps beyond those it attends to (a number, 'auto': K or "
                              "'quarter': K // 4)")
     parser.add_argument("--backend", choices=("auto", "reference", "flashinfer"), default="auto")

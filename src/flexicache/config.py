@@ -8,7 +8,7 @@ import operator
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -17,6 +17,7 @@ from flexicache.profile import PROFILE_FILENAME, HeadProfile
 BackendName = Literal["auto", "reference", "flashinfer"]
 HostDtypeName = Literal["auto", "float8_e4m3fn"]
 StandbyName = Literal["auto", "quarter"]
+STANDBY_NAMES: tuple[str, ...] = get_args(StandbyName)  # standby_pages spelled as a share of K
 MAX_WORKING_SET_SLOTS = 4096  # K + C: device slots per stable head (the fused rerank holds them in registers)
 
 
@@ -119,7 +120,7 @@ class FlexiCacheConfig:
                 raise ValueError(f"max_promotions must be 1 or more pages per rerank (None: no limit), "
                                  f"got {self.max_promotions!r}.")
             object.__setattr__(self, "max_promotions", max_promotions)
-        if not (isinstance(self.standby_pages, str) and self.standby_pages in ("auto", "quarter")):
+        if not (isinstance(self.standby_pages, str) and self.standby_pages in STANDBY_NAMES):
             standby_pages = integer_argument(self.standby_pages, "standby_pages",
                                              "pages, 0 or more, or 'auto' or 'quarter'")
             limit = max(0, MAX_WORKING_SET_SLOTS - token_budget // page_size)

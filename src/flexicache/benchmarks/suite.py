@@ -25,7 +25,7 @@ import torch
 from transformers import Cache, DynamicCache, LlamaConfig, MistralConfig, PretrainedConfig, StaticCache
 
 from flexicache import FlexiCache, HeadProfile, attention, disable_step_graphs, handoff
-from flexicache.config import FlexiCacheConfig
+from flexicache.config import STANDBY_NAMES, FlexiCacheConfig
 from flexicache.benchmarks.attention import Shape, random_profile
 from flexicache.setting_specs import parse_settings
 
@@ -131,8 +131,7 @@ class System:
                                   [(layer, head) for layer in range(shape.num_layers)
                                    for head in range(shape.num_kv_heads)])
             budget = self.budget if self.kind == "quest" else page * math.ceil((tokens + page) / page)
-        standby = (settings.standby_pages if settings.standby_pages in ("auto", "quarter")
-                   else int(settings.standby_pages))
+        standby = settings.standby_pages if settings.standby_pages in STANDBY_NAMES else int(settings.standby_pages)
         options = {"page_size": page, "rerank_interval": settings.rerank_interval, "standby_pages": standby,
                    "exact_rescore": settings.exact_rescore, "backend": settings.backend,
                    "cuda_graphs": settings.cuda_graphs != "off", "max_cache_len": tokens, "profile": profile,

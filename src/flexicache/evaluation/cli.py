@@ -95,7 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _standby_pages(text: str) -> int | str:
     """``--standby-pages``: ``auto``, ``quarter`` or a number of pages, 0 or more."""
-    if text in ("auto", "quarter"):
+    from flexicache.config import STANDBY_NAMES
+
+    if text in STANDBY_NAMES:
         return text
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected 'auto', 'quarter' or a number of pages, 0 or more, got {text!r}")
