@@ -28,14 +28,14 @@ from transformers.cache_utils import Cache
 
 from flexicache import attention, forward_guard, handoff
 from flexicache.backends import DecodeBackend, require_flashinfer_support
-from flexicache.config import FlexiCacheConfig, integer_argument, is_online_profile, resolve_profile
+from flexicache.config import FlexiCacheConfig, integer_argument
 from flexicache.decode_graph import StepInputs
 from flexicache.head_split import OnlineHeadSplit
 from flexicache.host_pool import host_pool
 from flexicache.hybrid import LayerKind, check_supported_model, layer_kinds
 from flexicache.layer import CLOSED_MESSAGE, FlexiLayer
 from flexicache.parallel import local_view
-from flexicache.profile import HeadProfile, model_shape
+from flexicache.profile import HeadProfile, is_online_profile, model_shape, resolve_profile
 from flexicache.sequence import SequenceState
 from flexicache.sliding import SlidingWindowLayer
 from flexicache.step_graph import HYBRID_REFUSAL, StepGraphStore, SupportsStepGraphs, enable_step_graphs

@@ -1,18 +1,12 @@
-"""Validated FlexiCache settings, and the head profile a cache is built with."""
+"""Validated FlexiCache settings."""
 
 from __future__ import annotations
 
-import json
-import math
 import operator
-import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 import torch
-
-from flexicache.profile import PROFILE_FILENAME, HeadProfile
 
 BackendName = Literal["auto", "reference", "flashinfer"]
 HostDtypeName = Literal["auto", "float8_e4m3fn"]
@@ -197,99 +191,3 @@ def _positive_tokens(value: object) -> int:
         raise ValueError(f"max_cache_len must be a positive number of tokens (prompt + new tokens) or None, "
                          f"got {value!r}.")
     return tokens
-
-
-ONLINE_PROFILE = "online"  # FlexiCache(profile=...): the unstable heads estimated from each prompt
-DEFAULT_PROFILE = "default"  # FlexiCache(profile=...): HeadProfile.default
-
-
-def is_online_profile(profile: object) -> bool:
-    """Whether ``FlexiCache(profile=...)`` asks for the unstable heads estimated from each prompt (``None`` or
-    ``"online"``)."""
-    return profile is None or profile == ONLINE_PROFILE
-
-
-def resolve_profile(profile: HeadProfile | str | os.PathLike | None, config: Any) -> HeadProfile:
-    """The :class:`HeadProfile` of a cache for the model ``config``, checked against its shape: ``profile`` itself,
-    or one read as :meth:`HeadProfile.from_pretrained` reads it (a file, a folder, a shipped profile's name such as
-    ``"smollm2-135m-instruct"``, a hub repository id), or :meth:`HeadProfile.default` for ``None`` or ``"default"``.
-
-    Raises:
-        ValueError: naming ``profile``: a file that is not a profile (not JSON, missing or mistyped fields), a
-            profile with fields out of range (e.g. scores that are not finite or not one per head), or one made
-            for a model of another shape.
-    """
-    named = "profile"  # how messages name it
-    if profile is None or profile == DEFAULT_PROFILE:
-        profile = HeadProfile.default(config)
-    elif not isinstance(profile, HeadProfile):
-        if not isinstance(profile, (str, os.PathLike)):
-            raise TypeError(f"profile must be a HeadProfile, a path or name of one, or None, got "
-                            f"{type(profile).__name__}.")
-        source = str(profile)
-        named = f"profile={source!r}"
-        try:
-            profile = HeadProfile.from_pretrained(profile)
-        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as error:  # what a malformed file raises
-            data = _profile_data(source)
-            if isinstance(data, dict):
-                check_profile_fields(data, named)  # names the field when one is at fault
-            raise ValueError(f"{named} is not a readable FlexiCache HeadProfile "
-                             f"({type(error).__name__}: {error}). Pass a file written by HeadProfile.save or "
-                             "`flexicache profile`, a shipped profile's name, or profile=None for the default."
-                             ) from error
-    check_profile_fields(profile.to_dict(), named)
-    profile.validate_for(config)
-    return profile
-
-
-def _profile_data(source: str) -> object:
-    """The JSON in the profile file ``source`` names (a file, or a folder's profile file), ``None`` if unreadable."""
-    path = Path(source)
-    path = path / PROFILE_FILENAME if path.is_dir() else path
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def check_profile_fields(fields: dict[str, Any], what: str) -> None:
-    """Raise ``ValueError`` naming the field of a profile (``fields``, as :meth:`HeadProfile.to_dict` gives them)
-    whose type or range no profile can have; ``what`` names the profile in the message."""
-    def integer(value: object, minimum: int = 1, optional: bool = False) -> bool:
-        return (optional and value is None) or (
-            isinstance(value, int) and not isinstance(value, bool) and value >= minimum)
-
-    def refuse(name: str, expected: str) -> None:
-        raise ValueError(f"{what}: field {name} must be {expected}, got {fields.get(name)!r}.")
-
-    for name in ("num_layers", "num_kv_heads", "head_dim"):
-        if not integer(fields.get(name)):
-            refuse(name, "a positive integer")
-    heads = fields.get("unstable_heads")
-    if not isinstance(heads, list) or not all(
-            isinstance(pair, (list, tuple)) and len(pair) == 2 and all(integer(index, minimum=0) for index in pair)
-            for pair in heads):
-        refuse("unstable_heads", "a list of [layer, KV head] pairs of integers >= 0")
-    for name in ("page_size", "token_budget"):
-        if not integer(fields.get(name), optional=True):
-            refuse(name, "a positive integer or null")
-    fraction = fields.get("unstable_fraction")
-    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
-                                 or not 0.0 <= fraction <= 1.0):
-        refuse("unstable_fraction", "a number in [0, 1] or null")
-    scores, shape = fields.get("scores"), (fields["num_layers"], fields["num_kv_heads"])
-    if scores is not None:
-        if (not isinstance(scores, list) or len(scores) != shape[0]
-                or any(row is not None and (not isinstance(row, list) or len(row) != shape[1]) for row in scores)):
-            refuse("scores", f"{shape[0]} lists of {shape[1]} numbers (one per layer and KV head; null for a layer "
-                   "the profile does not cover) or null")
-        if not all(isinstance(score, (int, float)) and not isinstance(score, bool) and math.isfinite(score)
-                   for row in scores if row is not None for score in row):
-            refuse("scores", "finite numbers (NaN or infinite scores come from a failed profiling run: profile the "
-                   "model again)")
-    for name in ("calibration", "model_info"):
-        if not isinstance(fields.get(name, {}), dict):
-            refuse(name, "a JSON object")
-    if not isinstance(fields.get("model", ""), str):
-        refuse("model", "a string")

@@ -36,8 +36,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from flexicache.config import is_online_profile, resolve_profile
-from flexicache.profile import HeadProfile, model_shape
+from flexicache.profile import HeadProfile, is_online_profile, model_shape, resolve_profile
 
 # Projections whose output holds the keys (as in transformers' own `get_kv_heads_per_rank`), and the TP styles that
 # leave each rank a contiguous slice of that output (``*_gather_output``/``*_rep`` styles replicate it instead).

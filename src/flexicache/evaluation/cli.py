@@ -133,7 +133,8 @@ def build_methods(model: Any, args: argparse.Namespace) -> list:
     ``--budget`` (with ``--oracle`` an oracle row per budget, with ``--oracle-candidates N`` an oracle among the top
     N x K pages per budget and N) and one per ``--method`` spec, all on the same model."""
     from flexicache import HeadProfile
-    from flexicache.config import DEFAULT_PROFILE, ONLINE_PROFILE, FlexiCacheConfig
+    from flexicache.config import FlexiCacheConfig
+    from flexicache.profile import DEFAULT_PROFILE, ONLINE_PROFILE
     from flexicache.models import SMOLLM2
     from flexicache.profiles import shipped_profile_path
 
