@@ -477,8 +477,13 @@ def test_method_objects_and_their_recorded_settings(tiny_tokenizer, tiny_model, 
 
     assert parse_spec("budget=64, page_size=8,group_reduce=sum,cuda_graphs=false") == {
         "token_budget": 64, "page_size": 8, "group_reduce": "sum", "cuda_graphs": False}
+    assert parse_spec(" budget = 64 , page_size= 8") == {"token_budget": 64, "page_size": 8}
     with pytest.raises(ValueError, match="key=value"):
         parse_spec("token_budget")
+    with pytest.raises(ValueError, match="page_size is given twice"):
+        parse_spec("budget=64,page_size=8,page_size=16")
+    with pytest.raises(ValueError, match="one setting"):
+        parse_spec("budget=64,token_budget=32")
     method = parse_method("token_budget=64,page_size=8", tiny_model, {"page_size": 16, "rerank_interval": 4},
                           lambda name: None, None)
     assert method.name == "flexicache@64,page_size=8"

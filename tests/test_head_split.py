@@ -15,7 +15,7 @@ from conftest import checked, dense_cache, greedy, left_pad, random_prompt, tiny
 from flexicache import FlexiCache, HeadProfile, head_split
 from flexicache.config import FlexiCacheConfig
 from flexicache.handoff import StagedChunk
-from flexicache.head_split import OnlineHeadSplit, lowest_scores
+from flexicache.head_split import OnlineHeadSplit, unstable_heads_by_score
 
 SETTINGS = FlexiCacheConfig(token_budget=32, page_size=16)
 NAN = float("nan")
@@ -27,7 +27,7 @@ def rows(*scores: list[float]) -> list[torch.Tensor]:
 
 def test_the_lowest_quarter_of_every_layers_heads_is_unstable() -> None:
     scores = rows([0.9, 0.2, 0.8, 0.7], [0.95, 0.9, 0.85, 0.99], [0.1, 0.15, 0.9, 0.9])
-    assert lowest_scores(scores, [[0]] * 3) == [[1], [], [0, 1]]  # 3 of 12, wherever they are
+    assert unstable_heads_by_score(scores, [[0]] * 3) == [[1], [], [0, 1]]  # 3 of 12, wherever they are
 
 
 @pytest.mark.parametrize("order", ["rising", "falling"])
@@ -35,7 +35,7 @@ def test_stability_that_changes_with_depth_puts_every_unstable_head_where_it_is_
     """30 layers of 8 heads whose scores rise (or fall) with depth: a quarter of 240 heads, all in the 8 layers
     of lowest scores (a split decided layer by layer could not know that the first layers are the least stable)."""
     levels = range(30) if order == "rising" else range(30, 0, -1)
-    chosen = lowest_scores(rows(*([level + head / 10 for head in range(8)] for level in levels)), [[]] * 30)
+    chosen = unstable_heads_by_score(rows(*([level + head / 10 for head in range(8)] for level in levels)), [[]] * 30)
     full, partial = (range(7), 7) if order == "rising" else (range(23, 30), 22)  # 7 layers of 8, then 4 heads
     expected = [list(range(8)) if layer in full else [0, 1, 2, 3] if layer == partial else [] for layer in range(30)]
     assert chosen == expected
@@ -44,19 +44,19 @@ def test_stability_that_changes_with_depth_puts_every_unstable_head_where_it_is_
 def test_never_fewer_unstable_heads_than_the_default_profile() -> None:
     """Three layers of one head (Gemma-3-270M's paged layers): a quarter is one head, the default profile's two
     (its first two layers) is the floor, and the two lowest scores are chosen wherever they are."""
-    assert lowest_scores(rows([0.9], [0.1], [0.5]), [[0], [0], []]) == [[], [0], [0]]
+    assert unstable_heads_by_score(rows([0.9], [0.1], [0.5]), [[0], [0], []]) == [[], [0], [0]]
     assert head_split.unstable_count(3, 2) == 2 and head_split.unstable_count(48, 4) == 12
     assert head_split.unstable_count(2, 5) == 2 and head_split.unstable_count(0, 2) == 0
 
 
 def test_ties_go_to_the_earlier_layer_and_head() -> None:
-    assert lowest_scores(rows([0.5] * 4, [0.5] * 4), [[], []]) == [[0, 1], []]  # a quarter of 8, not every tie
+    assert unstable_heads_by_score(rows([0.5] * 4, [0.5] * 4), [[], []]) == [[0, 1], []]  # a quarter of 8, not every tie
 
 
 def test_a_layer_too_short_to_tell_keeps_its_fallback_and_does_not_count() -> None:
-    assert lowest_scores(rows([NAN] * 3, [0.3, 0.1, 0.2, 0.4]), [[0, 2], [3]]) == [[0, 2], [1]]
-    assert lowest_scores(rows([NAN] * 2, [NAN] * 2), [[1], []]) == [[1], []]
-    assert lowest_scores(rows([0.3, NAN, 0.2]), [[1]]) == [[2]]  # a head without a score stays stable
+    assert unstable_heads_by_score(rows([NAN] * 3, [0.3, 0.1, 0.2, 0.4]), [[0, 2], [3]]) == [[0, 2], [1]]
+    assert unstable_heads_by_score(rows([NAN] * 2, [NAN] * 2), [[1], []]) == [[1], []]
+    assert unstable_heads_by_score(rows([0.3, NAN, 0.2]), [[1]]) == [[2]]  # a head without a score stays stable
 
 
 def test_the_first_chunks_wait_for_the_last_layer(monkeypatch: pytest.MonkeyPatch) -> None:

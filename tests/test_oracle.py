@@ -3,6 +3,7 @@ budget, a padded batch equal to each request alone, and the decode output of an 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import (
     dense_cache,
@@ -109,8 +110,8 @@ def test_two_stage_oracle_lies_between_flexicaches_pages_and_the_oracles() -> No
     unstable = mixed_profile(config)  # one layer: all its heads unstable (rerank every step)
     flexi = greedy(model, ids, flexicache.FlexiCache(config, profile=unstable, token_budget=12, page_size=4,
                                                      exact_rescore=False), max_new_tokens=6)
-    assert torch.equal(greedy(model, ids, OracleCache(config, token_budget=12, page_size=4, candidates=1),
-                              max_new_tokens=6), flexi)
+    assert torch.equal(greedy(model, ids, OracleCache(config, token_budget=12, page_size=4,
+                                                      candidates=torch.tensor(1)), max_new_tokens=6), flexi)
     assert torch.equal(greedy(model, ids, OracleCache(config, token_budget=12, page_size=4, candidates=100),
                               max_new_tokens=6), greedy(model, ids, OracleCache(config, token_budget=12, page_size=4),
                                                         max_new_tokens=6))
@@ -147,3 +148,9 @@ def test_diagnostic_traces_the_paged_layers_of_a_hybrid_model() -> None:
     trace = record_trace(model, random_prompt(40, seed=9).tolist(), prefill=34, progress=False)
     assert trace.layers == EXPECTED_SPARSE["gemma3"] and trace.keys.shape[0] == len(trace.layers)
     assert trace.keys.shape[2] == 40 and trace.queries.shape[:2] == (6, len(trace.layers))
+
+
+@pytest.mark.parametrize("candidates", [1.5, True, -1, "2"])
+def test_candidates_that_are_not_a_count_are_refused(candidates):
+    with pytest.raises(ValueError, match="candidates must be"):
+        OracleCache(tiny_config(), token_budget=12, page_size=4, candidates=candidates)

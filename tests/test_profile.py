@@ -78,6 +78,23 @@ def test_from_pretrained_file_and_folder(tmp_path):
         HeadProfile.from_pretrained(tmp_path, filename="missing.json")
 
 
+def test_a_missing_profile_file_is_not_looked_up_on_the_hub(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda **kwargs: pytest.fail("looked up on the hub"))
+    for missing in (str(tmp_path / "typo.json"), "./typo", "profiles.json"):
+        with pytest.raises(FileNotFoundError, match="No profile file"):
+            HeadProfile.from_pretrained(missing)
+
+
+@pytest.mark.parametrize("field, value", [("unstable_heads", [(1.9, True)]), ("unstable_heads", [("1", "0")]),
+                                          ("sparse_layers", [0.5, 1])])
+def test_indices_that_are_not_integers_are_refused_not_rounded(field, value):
+    fields = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 8, "unstable_heads": [(1, 0)], field: value}
+    with pytest.raises(ValueError, match=f"HeadProfile's {field} must be an integer"):
+        HeadProfile(**fields)
+
+
 def test_from_pretrained_shipped_name():
     names = shipped_profiles()
     assert "smollm2-135m-instruct" in names

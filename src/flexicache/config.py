@@ -36,8 +36,8 @@ class FlexiCacheConfig:
             for that step's query (plus the tail page), so the selection follows the queries between reranks without
             scoring every page or copying anything. ``"auto"`` (the default): ``K``, as many as it attends to
             (perplexity within +2% of dense on three of four pairs of files where ``K // 4`` is on none, for 1.05x
-            the GPU decode step, eval/RESULTS.md); ``"quarter"``: ``K // 4``, a lighter working set; both within
-            ``MAX_WORKING_SET_SLOTS`` slots. ``0``: the paper's stable heads (the rerank's top ``K - 1`` until the
+            the GPU decode step, eval/RESULTS.md); ``"quarter"``: ``K // 4``, a lighter working set; either capped at
+            ``MAX_WORKING_SET_SLOTS - K`` (``K`` above 2048 pages gets fewer than ``K``). ``0``: the paper's stable heads (the rerank's top ``K - 1`` until the
             next rerank). Costs ``C`` device pages per stable head and the scores of ``K - 1 + C`` pages per stable
             head and step (their keys' attention mass with ``exact_rescore``, else their boxes).
         group_reduce: how the box scores of the query heads of one GQA group are combined, ``"max"`` or ``"sum"``
@@ -52,7 +52,8 @@ class FlexiCacheConfig:
             (:func:`~flexicache.selection.exact_page_scores`; the default), not by their boxes: an unstable head's
             top ``2K`` pages by box score, a stable head's ``K - 1 + C`` pages on the device. Reads the candidates'
             keys at every step (in the fused kernels on CUDA, :mod:`flexicache.backends.triton_exact`: 1.07x the
-            decode step of ``False``, BENCHMARKS.md). ``False``: the pages of the best box scores (Quest's way).
+            decode step of ``False`` with ``standby_pages="quarter"``, 1.12x with the default's K standby pages,
+            BENCHMARKS.md). ``False``: the pages of the best box scores (Quest's way).
         backend: decode kernel: ``"auto"`` (FlashInfer on CUDA when installed, else the torch reference),
             ``"reference"`` or ``"flashinfer"``.
         cuda_graphs: on the CUDA + FlashInfer path, capture each layer's decode step (token append, scoring,
@@ -138,8 +139,7 @@ class FlexiCacheConfig:
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}.")
         for name, value in (("page_size", page_size), ("token_budget", token_budget),
-                            ("rerank_interval", rerank_interval), ("rerank_warmup", rerank_warmup),
-                            ("spread_weight", float(self.spread_weight))):
+                            ("rerank_interval", rerank_interval), ("rerank_warmup", rerank_warmup)):
             object.__setattr__(self, name, value)
         if self.max_cache_len is not None:
             object.__setattr__(self, "max_cache_len", _positive_tokens(self.max_cache_len))

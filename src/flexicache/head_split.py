@@ -116,13 +116,13 @@ class OnlineHeadSplit:
                                        None if real_tokens is None else _owning(real_tokens), scores, list(fallback)))
         if len(self.parked) < self.num_layers:
             return []
-        decided = lowest_scores([entry.scores.cpu() for entry in self.parked],
+        decided = unstable_heads_by_score([entry.scores.cpu() for entry in self.parked],
                                 [entry.fallback for entry in self.parked])
         self.num_unstable = sum(map(len, decided))
         return decided
 
 
-def lowest_scores(scores: Sequence[torch.Tensor], fallbacks: Sequence[list[int]]) -> list[list[int]]:
+def unstable_heads_by_score(scores: Sequence[torch.Tensor], fallbacks: Sequence[list[int]]) -> list[list[int]]:
     """Each layer's unstable heads: the lowest scores over all layers' heads (:func:`unstable_count` of them).
 
     Args:

@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from flexicache import handoff
-from flexicache.config import FlexiCacheConfig
+from flexicache.config import FlexiCacheConfig, integer_argument
 from flexicache.hybrid import layer_kinds
 from flexicache.key_basis import KeyBasis
 from flexicache.profiling.pages import page_bounds
@@ -159,7 +159,8 @@ class OracleCache(DynamicCache):
 
     def __init__(self, config: Any, token_budget: int = FlexiCacheConfig.token_budget,
                  page_size: int = FlexiCacheConfig.page_size, candidates: int = 0) -> None:
-        if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 0:
+        candidates = integer_argument(candidates, "candidates", "0: every page a candidate")
+        if candidates < 0:
             raise ValueError(f"candidates must be an int >= 0 (0: every page a candidate), got {candidates!r}")
         settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size)
         layers = [OracleLayer(index, settings, candidates) if kind.sparse else SlidingWindowLayer(index, kind.window)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from flexicache.config import integer_argument
 from flexicache.hybrid import sparse_layers
 from flexicache.profiles import PROFILES_DIR, shipped_profile_path
 
@@ -69,7 +70,11 @@ class HeadProfile:
     format_version: int = PROFILE_FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        self.unstable_heads = sorted({(int(layer), int(head)) for layer, head in self.unstable_heads})
+        def index(value: object, name: str, expected: str = "a layer or KV head index") -> int:
+            return integer_argument(value, f"HeadProfile's {name}", expected)
+
+        self.unstable_heads = sorted({(index(layer, "unstable_heads"), index(head, "unstable_heads"))
+                                      for layer, head in self.unstable_heads})
         for layer, head in self.unstable_heads:
             if not (0 <= layer < self.num_layers and 0 <= head < self.num_kv_heads):
                 raise ValueError(
@@ -77,7 +82,7 @@ class HeadProfile:
                     f"({self.num_layers} layers x {self.num_kv_heads} KV heads)."
                 )
         if self.sparse_layers is not None:
-            self.sparse_layers = sorted({int(layer) for layer in self.sparse_layers})
+            self.sparse_layers = sorted({index(layer, "sparse_layers", "a layer index") for layer in self.sparse_layers})
             if any(not 0 <= layer < self.num_layers for layer in self.sparse_layers):
                 raise ValueError(f"HeadProfile covers layers {self.sparse_layers}, outside its {self.num_layers} "
                                  "layers.")
@@ -205,6 +210,9 @@ class HeadProfile:
         shipped = shipped_profile_path(str(path_or_repo_id))
         if shipped is not None:
             return cls.load(shipped)
+        if str(path_or_repo_id).endswith(".json") or str(path_or_repo_id).startswith((".", "~", os.sep)):
+            raise FileNotFoundError(f"No profile file {str(path_or_repo_id)!r} (a hub repository id is "
+                                    "'owner/name'; shipped profiles: " + ", ".join(shipped_profiles()) + ").")
         from huggingface_hub import hf_hub_download
 
         return cls.load(hf_hub_download(repo_id=str(path_or_repo_id), filename=filename, revision=revision))
@@ -282,6 +290,9 @@ def check_profile_fields(fields: dict[str, Any], what: str) -> None:
             isinstance(pair, (list, tuple)) and len(pair) == 2 and all(integer(index, minimum=0) for index in pair)
             for pair in heads):
         refuse("unstable_heads", "a list of [layer, KV head] pairs of integers >= 0")
+    layers = fields.get("sparse_layers")
+    if layers is not None and (not isinstance(layers, list) or not all(integer(layer, minimum=0) for layer in layers)):
+        refuse("sparse_layers", "a list of layer indices (integers >= 0) or null")
     for name in ("page_size", "token_budget"):
         if not integer(fields.get(name), optional=True):
             refuse(name, "a positive integer or null")

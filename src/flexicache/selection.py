@@ -35,7 +35,7 @@ def quest_page_scores(
         spread_weight: weight of the box's radius, in ``[0, 1]``.
 
     Returns:
-        ``[R, P]`` scores in float32 (float64 if the inputs are float64).
+        ``[R, P]`` scores in float32 (float64 if ``query`` is float64).
     """
     return reduce_group(box_scores(query, kmin, kmax, spread_weight), group_reduce)
 
@@ -168,7 +168,7 @@ def update_selection(scores: torch.Tensor, num_full_pages: torch.Tensor, selecte
         new_pages = torch.nn.functional.pad(new_pages, (0, slots_per_row - new_pages.shape[1]), value=-1)
     in_new = _membership(new_pages, width)
     in_old = _membership(selected, width)
-    keep = (selected >= 0) & in_new.gather(1, selected.clamp(min=0).clamp(max=width))
+    keep = (selected >= 0) & in_new.gather(1, selected.clamp(min=0))
     promoted = (new_pages >= 0) & ~in_old.gather(1, new_pages.clamp(min=0))  # over the new pages' entries
     # Pair the r-th promoted page of a row with its r-th free slot (column ``slots_per_row`` takes the rest).
     dump = slots_per_row

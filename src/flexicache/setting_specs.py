@@ -30,13 +30,15 @@ def parse_value(text: str) -> Any:
 
 
 def parse_settings(text: str, what: str, example: str) -> dict[str, Any]:
-    """``"page_size=8, rerank_interval=2"`` -> ``{"page_size": 8, "rerank_interval": 2}`` (spaces around items
-    ignored, order kept). An item that is not ``key=value`` raises ``ValueError`` naming ``what`` and showing
-    ``example``."""
+    """``"page_size=8, rerank_interval=2"`` -> ``{"page_size": 8, "rerank_interval": 2}`` (spaces around items,
+    keys and values ignored, order kept). An item that is not ``key=value``, or a key given twice, raises
+    ``ValueError`` naming ``what`` and showing ``example``."""
     settings: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
+        key, sep, value = (part.strip() for part in item.partition("="))
         if not sep or not key:
             raise ValueError(f"{what}: {item!r} is not key=value (e.g. {example})")
+        if key in settings:
+            raise ValueError(f"{what}: {key} is given twice in {text!r}; give each setting once")
         settings[key] = parse_value(value)
     return settings

@@ -125,6 +125,8 @@ def parse_spec(spec: str) -> dict[str, Any]:
     """``"token_budget=256,page_size=8"`` -> ``{"token_budget": 256, "page_size": 8}`` (``budget`` means
     ``token_budget``; values as :func:`flexicache.setting_specs.parse_value` reads them)."""
     options = parse_settings(spec, f"method spec {spec!r}", "token_budget=256,page_size=8")
+    if "budget" in options and "token_budget" in options:
+        raise ValueError(f"method spec {spec!r}: budget and token_budget are one setting; give it once")
     return {"token_budget" if key == "budget" else key: value for key, value in options.items()}
 
 
