@@ -33,3 +33,18 @@ def test_every_results_folder_is_made_by_the_results_script() -> None:
     assert folders, "no results folders"
     missing = [str(folder) for folder in folders if f"$root/{folder}" not in script]
     assert not missing, f"results folders no command of eval/run_cpu_results.sh writes: {missing}"
+
+
+def test_every_prediction_file_belongs_to_a_method_its_folder_records() -> None:
+    """A folder resumes and re-summarises from its prediction files, found by method name: each file must be named
+    after a method of the folder's methods.json, and each method must have its predictions."""
+    import json
+
+    mismatched = []
+    for methods_file in sorted((ROOT / "eval" / "results" / "cpu").glob("*/*/methods.json")):
+        folder = methods_file.parent
+        methods = set(json.loads(methods_file.read_text()))
+        stems = {path.stem for path in folder.glob("predictions/*/*.jsonl")}
+        mismatched += [f"{folder.name}: file {stem}.jsonl" for stem in sorted(stems - methods)]
+        mismatched += [f"{folder.name}: method {name} has no predictions" for name in sorted(methods - stems)]
+    assert not mismatched, mismatched
