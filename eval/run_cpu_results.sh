@@ -147,6 +147,10 @@ for model in ${models[@]}; do
                 --page-size 8 --profile online --method budget=2048,exact_rescore=true \
                 --out "$root/levers/qwen2.5-coder-synthetic-16k-niah-exact-online"
             eval_cpu --model qwen2.5-coder --suite synthetic \
+                --tasks passkey --lengths 16384 --limit 20 --max-new-tokens 24 --context-length 16384 \
+                --page-size 8 --profile online --method budget=2048,exact_rescore=true,standby_pages=256 \
+                --out "$root/levers/qwen2.5-coder-synthetic-16k-passkey-exact-standby-online"
+            eval_cpu --model qwen2.5-coder --suite synthetic \
                 --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --method budget=512,exact_rescore=true \
                 --out "$root/levers/qwen2.5-coder-synthetic-8k-16-exact"
@@ -227,6 +231,10 @@ PY
                 budget=1024,exact_rescore=true,standby_pages=128 --profile online
             gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-standby-online" \
                 budget=1024,exact_rescore=true,standby_pages=128 --profile online
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-standby-online-seed1" \
+                budget=1024,exact_rescore=true,standby_pages=128 --profile online --seed 1
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-standby-online-seed2" \
+                budget=1024,exact_rescore=true,standby_pages=128 --profile online --seed 2
             ;;
         levers)  # SmolLM2, one budget: each option of the page selection (and the float8 host tier) on its own and
             # combined; perplexity also with the oracle among the top 2K pages by the box scores (the ceiling of an
@@ -263,6 +271,23 @@ PY
             eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --page-size 4 \
                 --budget 48 --oracle --method budget=48,exact_rescore=true --out "$root/levers/ppl-1.5k-32-page4"
+            echo "+ levers: 4-token pages at 1/8 with the other defaults, no profile (their own oracle pages beside)"
+            eval_cpu --model smollm2 --suite ppl --page-size 4 --profile online \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
+                --oracle --method budget=192,exact_rescore=true,standby_pages=48 \
+                --out "$root/levers/ppl-1.5k-page4-exact-standby-online"
+            eval_cpu --model smollm2 --suite ppl --page-size 4 --profile online \
+                --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
+                --oracle --method budget=192,exact_rescore=true,standby_pages=48 \
+                --out "$root/levers/ppl-1.5k-replicate-page4-exact-standby-online"
+            echo "+ levers: the defaults at 1/16 without a profile, both pairs of files"
+            eval_cpu --model smollm2 --suite ppl --page-size 8 --profile online \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 \
+                --method budget=96,exact_rescore=true,standby_pages=12 --out "$root/levers/ppl-1.5k-16-exact-standby-online"
+            eval_cpu --model smollm2 --suite ppl --page-size 8 --profile online \
+                --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 \
+                --method budget=96,exact_rescore=true,standby_pages=12 \
+                --out "$root/levers/ppl-1.5k-replicate-16-exact-standby-online"
             eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --method budget=192,exact_rescore=true --out "$root/levers/ppl-1.5k-replicate-exact"
