@@ -1,11 +1,11 @@
 """What accuracy costs: each page-selection setting's decode step (GPU) against its perplexity (real model, CPU).
 
 The step is the setting's p50 over the p50 of the paper's setting (16-token pages, no standby pages: the suite's
-``flexicache-1024`` when these runs were made) in the same GPU run (``flexicache bench --cases decode``; the two exact-rescoring settings were timed in a run
-without it, beside 8-token pages with a quarter of K on standby and box scores alone, and their ratio is chained
-through that setting's in ``decode_standby``;
-Llama-3.1-8B shape, 32 layers, 32k x batch 8, budget 1024; folders under ``eval/results/gpu/``); the perplexity is
-SmolLM2-135M's decode-mode perplexity over dense at budget 1/8 (``eval/results/cpu/levers/``, made by
+``flexicache-1024`` when these runs were made) in the same GPU run (``flexicache bench --cases decode``,
+Llama-3.1-8B shape, 32 layers, 32k x batch 8, budget 1024; folders under ``eval/results/gpu/``). The two
+exact-rescoring settings were timed in a run without the paper's setting, beside 8-token pages with a quarter of K
+on standby and box scores alone: their ratio is chained through that setting's in ``decode_standby``. The perplexity
+is SmolLM2-135M's decode-mode perplexity over dense at budget 1/8 (``eval/results/cpu/levers/``, made by
 ``bash eval/run_cpu_results.sh eval/results/cpu levers``). Writes a PNG, prints the table and, with ``--update``,
 puts it between the ``<!-- accuracy-cost -->`` markers of a markdown file (``eval/RESULTS.md``).
 
@@ -62,10 +62,13 @@ SETTINGS = (
             "flexicache@192,host_dtype=float8_e4m3fn"),
     Setting("stable heads every step", "/1", "decode_rerank_page", "flexicache-1024:rerank_interval=1", "ppl-1.5k",
             "flexicache@192,rerank_interval=1"),
-    Setting("8-token pages", "p8", "decode_rerank_page", "flexicache-1024:page_size=8", "ppl-1.5k-page8", "flexicache@192"),
-    Setting("8-token pages, every 4 steps", "p8 /4", "decode_rerank_page", "flexicache-1024:page_size=8,rerank_interval=4",
+    Setting("8-token pages", "p8", "decode_rerank_page", "flexicache-1024:page_size=8", "ppl-1.5k-page8",
+            "flexicache@192"),
+    Setting("8-token pages, every 4 steps", "p8 /4", "decode_rerank_page",
+            "flexicache-1024:page_size=8,rerank_interval=4",
             "ppl-1.5k-page8", "flexicache@192,rerank_interval=4"),
-    Setting("8-token pages, every 2 steps", "p8 /2", "decode_page8_ri2", "flexicache-1024:page_size=8,rerank_interval=2",
+    Setting("8-token pages, every 2 steps", "p8 /2", "decode_page8_ri2",
+            "flexicache-1024:page_size=8,rerank_interval=2",
             "ppl-1.5k-page8", "flexicache@192,rerank_interval=2"),
     Setting("8-token pages, every 2 steps, float8 host tier", "p8 /2 float8", "decode_page8_ri2",
             "flexicache-1024:page_size=8,rerank_interval=2,host_dtype=float8_e4m3fn", "ppl-1.5k-page8",
@@ -84,12 +87,13 @@ SETTINGS = (
             "flexicache@192,rerank_interval=1,max_promotions=4"),
 )
 ORACLES = (("oracle pages, 16 tokens", "ppl-1.5k"), ("oracle pages, 8 tokens", "ppl-1.5k-page8"))
-LABEL_OFFSETS = {DEFAULTS: (-8, -10), "exact K/4": (3, 5), "p8 /2 float8": (5, -10), "p8 /1 <=9%": (5, 4), "p8 /1 <=17%": (5, -10), "p8 /2 <=9%": (6, -3),
+LABEL_OFFSETS = {DEFAULTS: (-8, -10), "exact K/4": (3, 5), "p8 /2 float8": (5, -10),
+                  "p8 /1 <=9%": (5, 4), "p8 /1 <=17%": (5, -10), "p8 /2 <=9%": (6, -3),
                  "p8 standby K/4": (-8, 6), "p8 standby K/2": (-8, -10), "p8 /4": (5, 4)}
-KEY = ("defaults: exact rescoring and K on standby; exact K/4: the same with a quarter of K (both timed in another run,\n"
-       "chained through p8 standby K/4); p8: 8-token pages; /n: stable heads rerank every n steps; <=x%: at most x% of "
-       "the selection promoted;\nstandby K/4: a quarter of K on standby; the points without 'exact' choose by box "
-       "scores alone (exact_rescore=False)")
+KEY = ("defaults: exact rescoring and K on standby; exact K/4: the same with a quarter of K (both timed in another "
+       "run,\nchained through p8 standby K/4); p8: 8-token pages; /n: stable heads rerank every n steps; <=x%: at "
+       "most x% of the selection promoted;\nstandby K/4: a quarter of K on standby; the points without 'exact' "
+       "choose by box scores alone (exact_rescore=False)")
 
 
 def step_ratio(run: str, system: str) -> tuple[float, float]:

@@ -38,13 +38,16 @@ def compared(budget: int, variants: list[str]) -> list[str]:
 
 
 def headers(folder_config: dict, variants: list[tuple[str, str]]) -> list[str]:
-    """Column headers of :func:`compared`'s methods for a folder run at ``folder_config``'s page size and standby
-    pages."""
+    """Column headers of :func:`compared`'s methods for a folder run at ``folder_config``'s page size, standby pages
+    and page choice (every FlexiCache column of a folder run with ``exact_rescore=False`` says so)."""
     page_size = folder_config.get("page_size")
     standby = folder_config.get("standby_pages")
-    folder_rows = f"FlexiCache, {page_size}-token pages" + (", no standby" if standby == 0 else "")
+    box_scores = ", box scores alone" if folder_config.get("exact_rescore") is False else ""
+    folder_rows = f"FlexiCache, {page_size}-token pages" + (", no standby" if standby == 0 else "") + box_scores
     if folder_config.get("profile") == "online":
         folder_rows += ", head split from the prompt"
+    variants = [(template, header + box_scores if header.startswith("FlexiCache") else header)
+                for template, header in variants]
     first = [header for template, header in variants if template == PAGE8_ROWS[0]]
     rest = [header for template, header in variants if template != PAGE8_ROWS[0]]
     return [*first, f"oracle pages ({page_size} tokens)", folder_rows, "Quest's bound", *rest]
@@ -71,10 +74,13 @@ def _option_value(value: object) -> str:
 
 
 def command_of(config: dict) -> str:
-    """The ``flexicache eval`` command a folder's config.json records (the options that differ from defaults)."""
+    """The ``flexicache eval`` command a folder's config.json records: the options it was run with (the cache
+    settings, the decode tail, chat, batch size and stop strings where they differ from the defaults; the dtype and
+    device are those of the table's page)."""
     parts = ["flexicache eval", f"--suite {config['suite']}", f"--model {config['model']}"]
-    for key in ("tasks", "lengths", "data", "limit", "context_length", "prefill", "max_new_tokens", "budget",
-                "method", "profile", "page_size", "rerank_interval", "standby_pages", "exact_rescore"):
+    for key in ("gguf_file", "tasks", "lengths", "data", "limit", "context_length", "prefill", "max_new_tokens",
+                "budget", "method", "profile", "page_size", "rerank_interval", "standby_pages", "exact_rescore",
+                "stop_strings"):
         value = config.get(key)
         if value is None or value == [] or value == getattr(FlexiCacheConfig, key, None):
             continue
@@ -85,6 +91,15 @@ def command_of(config: dict) -> str:
         parts.append(f"--{key.replace('_', '-')} {' '.join(values)}")
     if config.get("seed"):  # 0 is the default
         parts.append(f"--seed {config['seed']}")
+    if config.get("decode_tail"):
+        parts.append(f"--decode-tail {config['decode_tail']}")
+    if config.get("chat", "auto") != "auto":
+        parts.append(f"--chat {config['chat']}")
+    if config.get("batch_size", 1) != 1:
+        parts.append(f"--batch-size {config['batch_size']}")
+    for flag in ("longbench_e", "no_shared_prefill"):
+        if config.get(flag):
+            parts.append(f"--{flag.replace('_', '-')}")
     if config.get("oracle"):
         parts.append("--oracle")
     if config.get("oracle_candidates"):

@@ -510,6 +510,40 @@ def test_method_objects_and_their_recorded_settings(tiny_tokenizer, tiny_model, 
         run_tasks(tiny_model, tiny_tokenizer, task, [DenseMethod(tiny_model), other], tmp_path, progress=False)
 
 
+def test_a_record_after_a_torn_line_is_kept(tmp_path):
+    """An interrupted write leaves a last line without its newline: the next record starts a line of its own."""
+    store = PredictionStore(tmp_path)
+    store.append("gen", "dense", {"_id": "0"})
+    with open(store.path("gen", "dense"), "a", encoding="utf-8") as handle:
+        handle.write('{"_id": "9", "pr')
+    store.append("gen", "dense", {"_id": "3"})
+    assert list(store.load("gen", "dense")) == ["0", "3"]
+
+
+def test_the_average_ratio_compares_the_samples_both_methods_have():
+    from flexicache.evaluation.runner import summarize
+
+    task = Task("gen", [Sample(id=str(i), input_ids=[1], answers=["a"]) for i in range(4)], metric=LengthMetric())
+    dense = {str(i): {"_id": str(i), "pred": "x" * (i + 1), "tokens": [1] * (i + 1)} for i in range(4)}
+    part = {i: dense[i] for i in ("0", "1")}  # a method half done: its samples are dense's first two
+    summary = summarize([task], {"gen": {"dense": dense, "half": part}}, ["dense", "half"])
+    assert summary["tasks"]["gen"]["ratio"]["half"] == pytest.approx(1.0)
+    assert summary["average"]["ratio"]["half"] == pytest.approx(1.0)  # not its 2 samples' mean over dense's 4
+
+
+def test_samples_of_one_task_need_their_own_ids():
+    with pytest.raises(ValueError, match=r"several samples with the id\(s\) \['a.txt'\]"):
+        Task("ppl", [Sample(id="a.txt", input_ids=[1]), Sample(id="a.txt", input_ids=[2])], kind="perplexity")
+
+
+@pytest.mark.parametrize("option", ["--limit", "--max-new-tokens"])
+@pytest.mark.parametrize("value", ["0", "-1", "2.5"])
+def test_counts_below_one_are_refused(option, value, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        eval_main(["--model", "unused", "--out", str(tmp_path), option, value])
+    assert "expected a whole number, 1 or more" in capsys.readouterr().err
+
+
 def test_summary_counts_only_current_samples_and_buckets(tiny_tokenizer, tiny_model, tmp_path, longbench_folder):
     datasets = longbench.load_local([longbench_folder])
     tasks = longbench.build_tasks(datasets, tiny_tokenizer, 200, ["trec_e"], max_new_tokens=3)

@@ -6,5 +6,6 @@ Modules: ``tasks`` (data model), ``data`` (records as ``datasets.Dataset``), ``m
 functions), ``scoring`` and ``metric_modules/`` (the same metrics as offline ``evaluate`` modules),
 ``prompting`` (truncation, chat template), ``generation`` (greedy ``model.generate`` over a cache),
 ``longbench``, ``leval``, ``synthetic``, ``perplexity``, ``lcc`` (suites), ``methods`` (the caches compared),
-``runner`` (predictions, summaries, table), ``cli``.
+``shared_prefill`` (one dense prefill filling every method's cache), ``runner`` (predictions, summaries,
+table), ``cli``.
 """

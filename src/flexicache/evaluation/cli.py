@@ -15,6 +15,8 @@ from typing import Any
 from flexicache.cli import DTYPE_HELP, DTYPES, resolve_device, resolve_dtype
 from flexicache.setting_specs import parse_boolean
 
+from .longbench import DEFAULT_HUB_REPO
+
 SUITES = ("longbench", "leval", "synthetic", "ppl", "lcc")
 # settings that change what a stored prediction means: resuming with other values is refused
 IDENTITY = ("suite", "model", "gguf_file", "context_length", "decode_tail", "chat", "seed", "page_size",
@@ -63,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(without: the offline long-generation set); ppl: text files (without: "
                              "standard-library sources)")
     parser.add_argument("--out", required=True, help="results folder (re-running it resumes)")
-    parser.add_argument("--limit", type=int, help="samples per task")
+    parser.add_argument("--limit", type=positive_int, help="samples per task")
     parser.add_argument("--context-length", type=int, default=4096,
                         help="prompt length in tokens: truncation length (longbench, leval, lcc), text length (ppl)")
     parser.add_argument("--tasks", nargs="*", help="task subset (longbench dataset or synthetic task names)")
@@ -72,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=512, help="ppl: tokens given in the first, dense forward")
     parser.add_argument("--decode-tail", type=int, default=0,
                         help="feed the last N prompt tokens one per forward (sparse attention on the question)")
-    parser.add_argument("--max-new-tokens", type=int, help="cap on every task's generation length")
+    parser.add_argument("--max-new-tokens", type=positive_int, help="cap on every task's generation length")
     parser.add_argument("--chat", choices=("auto", "on", "off"), default="auto",
                         help="chat template: auto = the suite's rule (longbench/leval on, synthetic/lcc off)")
     parser.add_argument("--seed", type=int, default=0)
@@ -86,11 +88,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "batch fills every method's cache: the same predictions, the prefill paid once)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     parser.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
-    parser.add_argument("--hub-repo", default="THUDM/LongBench", help="hub dataset holding LongBench's data.zip")
+    parser.add_argument("--hub-repo", default=DEFAULT_HUB_REPO, help="hub dataset holding LongBench's data.zip")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--summarize-only", action="store_true",
                         help="predict nothing: write metrics.json and table.md from the predictions --out holds "
                              "(a partly finished folder's summary; each method's n says how many samples it has)")
+
+
+def positive_int(text: str) -> int:
+    """An option's count, 1 or more (``--limit``, ``--max-new-tokens``)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number, 1 or more, got {text!r}")
+    return int(text)
 
 
 def _standby_pages(text: str) -> int | str:
@@ -158,7 +167,8 @@ def build_methods(model: Any, args: argparse.Namespace) -> list:
                 profiles[name] = HeadProfile.load(path)
         return profiles[name]
 
-    # The settings a row leaves to FlexiCache's defaults are recorded too: a results folder is tied to them.
+    # The page-selection settings a row leaves to the defaults are recorded too, tying a results folder to them
+    # (rerank_warmup, max_promotions and host_dtype only where a row sets them).
     defaults = {"page_size": args.page_size, "rerank_interval": args.rerank_interval,
                 "standby_pages": args.standby_pages, "exact_rescore": args.exact_rescore,
                 "group_reduce": FlexiCacheConfig.group_reduce, "spread_weight": FlexiCacheConfig.spread_weight,

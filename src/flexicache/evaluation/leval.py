@@ -36,22 +36,22 @@ def build_prompt(document: str, instruction: str, words: int | None = None) -> s
     return f"{SYSTEM}\n\nDocument is as follows. {document}\n\nInstruction: {instruction}{hint}\nOutput: "
 
 
-def _document_budget(tokenizer: Any, context_length: int, instruction: str) -> int:
-    overhead = len(tokenizer(build_prompt("", instruction, 9999)).input_ids)
+def _document_budget(tokenizer: Any, context_length: int, instruction: str, chat: bool) -> int:
+    """Tokens left for the document once the prompt around it (chat template included) is counted."""
+    overhead = len(render(tokenizer, build_prompt("", instruction, 9999), chat))
     return max(1, context_length - overhead)
 
 
 def _sample(tokenizer: Any, sample_id: str, document: str, instruction: str, answers: list[str],
             context_length: int, chat: bool, max_new_tokens: int, length_hint: bool) -> Sample:
-    document = middle_truncate(tokenizer, document, _document_budget(tokenizer, context_length, instruction))
+    document = middle_truncate(tokenizer, document, _document_budget(tokenizer, context_length, instruction, chat))
     words = len(answers[0].split()) if answers and length_hint else None
     return Sample(id=sample_id, input_ids=render(tokenizer, build_prompt(document, instruction, words), chat),
                   answers=answers, max_new_tokens=max_new_tokens)
 
 
 def build_tasks(tokenizer: Any, files: Sequence[str | Path], context_length: int, chat: bool = True,
-                limit: int | None = None, max_new_tokens: int = MAX_NEW_TOKENS, length_hint: bool = True
-                ) -> list[Task]:
+                limit: int | None = None, max_new_tokens: int = MAX_NEW_TOKENS) -> list[Task]:
     """One task per L-Eval JSONL file (named after it; zip archives of them work too), at most ``limit``
     instructions each; documents are middle-truncated so that the prompt fits ``context_length`` tokens."""
     tasks = []
@@ -63,7 +63,7 @@ def build_tasks(tokenizer: Any, files: Sequence[str | Path], context_length: int
                     break
                 answers = output if isinstance(output, list) else [output]
                 samples.append(_sample(tokenizer, f"{r}-{i}", record["input"], instruction, answers,
-                                       context_length, chat, max_new_tokens, length_hint))
+                                       context_length, chat, max_new_tokens, length_hint=True))
         tasks.append(Task(name=file.stem, samples=samples, metric=EvaluateMetric("leval")))
     return tasks
 

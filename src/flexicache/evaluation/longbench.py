@@ -150,7 +150,6 @@ NO_CHAT_TASKS = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repoben
 """Few-shot and code tasks: the raw prompt, no chat template (as the benchmark's pred.py)."""
 FIRST_LINE_TASKS = frozenset({"trec", "triviaqa", "samsum", "lsht"})
 """Tasks scored on the first line of the prediction only."""
-BUCKETS = ("0-4k", "4-8k", "8k+")
 DEFAULT_HUB_REPO = "THUDM/LongBench"
 
 

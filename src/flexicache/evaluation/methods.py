@@ -1,8 +1,9 @@
 """The rows of an accuracy table: each method builds a fresh cache for one sample (or one batch of samples).
 
 ``DenseMethod`` (a DynamicCache: the reference), ``FlexiCacheMethod`` (FlexiCache with given settings) and
-``OracleMethod`` (the oracle page selection at a budget, the ceiling of page-granular top-K) are the built-in kinds; ``Method`` wraps any cache factory. A method's ``name`` keys its stored predictions and its
-``settings`` (JSON) are recorded beside them, so a results folder resumes per (method, sample) and refuses to
+``OracleMethod`` (the oracle page selection at a budget, the ceiling of page-granular top-K) are the built-in
+kinds; ``Method`` wraps any cache factory. A method's ``name`` keys its stored predictions and its ``settings``
+(JSON) are recorded beside them, so a results folder resumes per (method, sample) and refuses to
 mix two methods of one name. ``parse_method`` turns a command-line spec such as ``token_budget=256,page_size=8``
 into a ``FlexiCacheMethod``.
 """

@@ -88,10 +88,12 @@ class PredictionStore:
         return records
 
     def append(self, task: str, method: str, record: Mapping[str, Any]) -> None:
+        """Add one record as a line (after ending a line an interrupted run left unfinished, which stays unread)."""
         path = self.path(task, method)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        with open(path, "a+b") as handle:
+            torn = handle.tell() > 0 and (handle.seek(-1, 2), handle.read(1))[1] != b"\n"
+            handle.write((("\n" if torn else "") + json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
 
 
 def generation_settings(samples: Sequence[Sample], decode_tail: int, stop_ids: set[int], newline: int,
@@ -296,14 +298,16 @@ def summarize_task(task: Task, records: Mapping[str, Mapping[str, dict]], refere
         scores = {m: _sample_scores(task, samples, recs) for m, recs in kept.items()}
         names = next((list(s) for per in scores.values() for s in per.values() if s), [])
         out["metric"] = names[0] if names else None
+        out["common_scores"] = {}  # method: [its mean, dense's] headline score over the samples both have
         out["scores"] = {m: {name: _pct(_mean(s[name] for s in per.values())) for name in names}
                          for m, per in scores.items()}
         for method, per in scores.items():
             out["score"][method] = out["scores"][method].get(out["metric"]) if names else None
             common = [i for i in per if i in scores.get(reference, {})]
             if method != reference and names and common:
-                out["ratio"][method] = _ratio(_mean(per[i][names[0]] for i in common),
-                                              _mean(scores[reference][i][names[0]] for i in common))
+                out["common_scores"][method] = [_mean(per[i][names[0]] for i in common),
+                                                _mean(scores[reference][i][names[0]] for i in common)]
+                out["ratio"][method] = _ratio(*out["common_scores"][method])
         if task.bucket and names:
             out["buckets"] = {m: _bucket_scores(task, samples, per, names[0]) for m, per in scores.items()}
         out["fidelity"] = {m: _fidelity(recs, ref) for m, recs in kept.items() if m != reference}
@@ -325,7 +329,8 @@ def _bucket_scores(task: Task, samples: Mapping[str, Sample], per: Mapping[str, 
 
 def summarize(tasks: Sequence[Task], records: Mapping[str, Mapping[str, Mapping[str, dict]]],
               methods: Sequence[str], reference: str = REFERENCE) -> dict[str, Any]:
-    """Per-task summaries plus the average of the headline scores over the scored generation tasks."""
+    """Per-task summaries plus the average of the headline scores over the scored generation tasks (a method's
+    ratio: its average over dense's, each task's score taken over the samples both have)."""
     per_task = {t.name: summarize_task(t, records[t.name], reference) for t in tasks}
     scored = [s for s in per_task.values() if s["kind"] == "generate" and s["metric"]]
     average: dict[str, Any] = {"score": {}, "ratio": {}}
@@ -334,8 +339,9 @@ def summarize(tasks: Sequence[Task], records: Mapping[str, Mapping[str, Mapping[
             values = [s["score"].get(method) for s in scored]
             average["score"][method] = _mean(values) if all(v is not None for v in values) else None
         for method in methods:
-            if method != reference:
-                average["ratio"][method] = _ratio(average["score"].get(method), average["score"].get(reference))
+            pairs = [s["common_scores"].get(method) for s in scored]
+            if method != reference and all(pair is not None for pair in pairs):
+                average["ratio"][method] = _ratio(_mean(pair[0] for pair in pairs), _mean(pair[1] for pair in pairs))
     return {"reference": reference, "methods": list(methods), "tasks": per_task, "average": average}
 
 

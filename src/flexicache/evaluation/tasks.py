@@ -51,3 +51,10 @@ class Task:
     metric: TaskMetric | None = None
     kind: Literal["generate", "perplexity"] = "generate"
     bucket: Callable[[Sample], str] | None = None
+
+    def __post_init__(self) -> None:
+        ids = [sample.id for sample in self.samples]
+        repeated = sorted({sample_id for sample_id in ids if ids.count(sample_id) > 1})
+        if repeated:  # predictions are stored and summarised by id: a repeated one would count once
+            raise ValueError(f"task {self.name!r} has several samples with the id(s) {repeated}; each sample needs "
+                             "its own (e.g. two --data files of one name: rename or drop one)")
