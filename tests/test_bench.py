@@ -319,6 +319,23 @@ def test_settings_validation():
     assert System("flexicache-64").make_cache(tiny_bench_config(), tokens=96, settings=box).settings.exact_rescore is False
     with pytest.raises(SystemExit):
         parser.parse_args(["--exact-rescore", "maybe"])
+    for bad, message in ((["--unstable-fraction", "-0.25"], "--unstable-fraction must be in"),
+                         (["--mix-max-steps", "0"], "must be at least 1"), (["--dtype", "nn"], "--dtype must be"),
+                         (["--time-budget", "-1"], "take 0 or more"), (["--max-batch", "0"], "must be at least 1")):
+        with pytest.raises(SystemExit, match=message):
+            settings_from(parser.parse_args(["--device", "cpu", *bad]))
+
+
+def test_the_rerank_case_runs_the_settings_of_the_run():
+    """The rerank ablation's caches take the run's page size, standby pages and page choice (not the library's)."""
+    from flexicache.benchmarks.suite import cache_options
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    settings = settings_from(parser.parse_args(["--device", "cpu", "--page-size", "16", "--standby-pages", "0",
+                                                "--exact-rescore", "false", "--cuda-graphs", "off"]))
+    assert cache_options(settings) == {"page_size": 16, "standby_pages": 0, "exact_rescore": False,
+                                       "backend": settings.backend, "cuda_graphs": False}
 
 
 def test_the_setup_line_names_the_page_selection():

@@ -31,8 +31,9 @@ OPTIONS: dict[str, tuple[type, str | None, str]] = {
     "time_budget": (float, None, "seconds for the whole run (0: unlimited); measurements past it are skipped"),
     "warmup": (int, None, "untimed decode steps before each timed window (>= 17 covers the host tier's growth)"),
     "steps": (int, None, "timed decode steps per measurement"),
-    "profile_steps": (int, None, ("CUDA: extra decode steps under the torch profiler for the GPU busy time, at "
-                               "--attention-batch (0: off)")),
+    "profile_steps": (int, None, ("CUDA: extra decode steps under the torch profiler for the GPU busy time, in "
+                               "the decode case at --attention-batch and the throughput case at each largest batch "
+                               "(0: off)")),
     "unstable_fraction": (float, None, "share of each layer's KV heads that are unstable (random choice)"),
     "rerank_interval": (int, None, "stable heads' rerank interval"),
     "page_size": (int, None, "tokens per page"),
@@ -123,13 +124,21 @@ def settings_from(args: argparse.Namespace) -> Any:
         budgets = {settings.budget} | {System(name).budget for name in names} - {None}
         for budget in budgets:
             FlexiCacheConfig(token_budget=budget, page_size=settings.page_size)
-        if min(settings.warmup, settings.steps, settings.layer_steps, settings.decode_rounds) < 1:
-            raise ValueError("--warmup, --steps, --layer-steps and --decode-rounds must be at least 1")
+        if min(settings.warmup, settings.steps, settings.layer_steps, settings.decode_rounds, settings.mix_max_steps,
+               settings.probe_batch, settings.max_batch, settings.mix_requests, settings.mix_batch) < 1:
+            raise ValueError("--warmup, --steps, --layer-steps, --decode-rounds, --mix-max-steps, --probe-batch, "
+                             "--max-batch, --mix-requests and --mix-batch must be at least 1")
+        if not 0.0 <= settings.unstable_fraction <= 1.0:
+            raise ValueError(f"--unstable-fraction must be in [0, 1], got {settings.unstable_fraction}")
+        if min(settings.time_budget, settings.device_memory_gib, settings.host_memory_gib, settings.reserve_gib) < 0:
+            raise ValueError("--time-budget, --device-memory-gib, --host-memory-gib and --reserve-gib take 0 or "
+                             "more (0: unlimited or the machine's own)")
+        if settings.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {settings.dtype!r}")
         for low, high in (settings.mix_input, settings.mix_output):
             if not 1 <= low <= high:
                 raise ValueError("--mix-input and --mix-output take LOW HIGH with 1 <= LOW <= HIGH")
-        getattr(torch, settings.dtype)
-    except (ValueError, AttributeError) as error:
+    except ValueError as error:
         raise SystemExit(f"flexicache bench: {error}") from error
     return settings
 

@@ -17,6 +17,11 @@ costs), then ``LOOP_ROUNDS`` timed runs per depth, interleaved in alternating or
 alike), each with the same ``--warmup`` steps; the step time of a depth is the median of its runs' p50s. A
 calibration that does not fit ``step = fixed + layers * per_layer`` with ``per_layer > 0`` and ``fixed >= 0`` is
 recorded as inconsistent and yields no full-depth estimate (``None``; the report says "n/a").
+
+Tokens/s is ``batch / p50 step``. The stable heads' reranks are staggered over the layers (layer ``l`` at the steps
+where ``(step + l) % rerank_interval == 0``), so with fewer ``--layers`` than ``--rerank-interval`` most steps hold
+no rerank and the p50 (and a full-depth estimate from it) leaves them out; the report says so. With ``--layers`` >=
+the interval every step holds its share (the headline runs use all 32 layers).
 """
 
 from __future__ import annotations

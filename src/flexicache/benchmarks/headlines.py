@@ -64,7 +64,8 @@ def memory_headlines(results: dict[str, Any]) -> list[str]:
                 f"({row['device_kv_bytes'] / dense:.1%} of the dense KV) + page min/max "
                 f"{size(row['device_metadata_bytes'] * scale)} ({row['device_metadata_bytes'] / dense:.2%}) = "
                 f"{row['device_fraction_of_dense']:.1%}{peak_text(row)}")
-        dynamic = find(rows, system="dynamic", batch=row.get("batch", 1))
+        dynamic = find(rows, system="dynamic", batch=row.get("batch", 1), model=row["model"],
+                       context=row["context"])
         peak, (dynamic_peak, estimated) = peak_of(row)[0], peak_of(dynamic) if dynamic else (None, False)
         if peak and dynamic_peak:
             text += (f", {peak / dynamic_peak:.1%} of DynamicCache's {size(dynamic_peak)}"
@@ -96,7 +97,7 @@ def decode_headlines(results: dict[str, Any]) -> list[str]:
         out.append(text)
     for row in rows:
         shorter = [other for other in rows if other["system"] == row["system"] and other["batch"] == row["batch"]
-                   and other["context"] < row["context"]]
+                   and other["model"] == row["model"] and other["context"] < row["context"]]
         if row["system"].startswith("flexicache") and shorter:
             short = min(shorter, key=lambda other: other["context"])
             out.append(f"{row['system']}'s step at {row['context']} tokens is {row['step_ms_p50'] / short['step_ms_p50']:.2f}x "

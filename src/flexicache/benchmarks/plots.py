@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from flexicache.benchmarks.rerank import rerank_summary
-from flexicache.benchmarks.results import GIB, case_rows, find, memory_full
+from flexicache.benchmarks.results import GIB, case_rows, find, memory_full, peak_of
 
 
 def _pyplot() -> Any:
@@ -29,24 +29,33 @@ def log2_axis(ax: Any, values: list[int], label: str) -> None:
     ax.set_xlabel(label)
 
 
+def series_of(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """A plot line's label: the row's system, prefixed with its model shape when the run measured several."""
+    several = len({other["model"] for other in rows}) > 1
+    return f"{row['model']} {row['system']}" if several else row["system"]
+
+
 def plot_memory(rows: list[dict[str, Any]], path: Path) -> None:
     """Full-depth device bytes (KV + metadata) and peak (CUDA) or reserved device bytes vs context, per system."""
     plt = _pyplot()
     fulls = [memory_full(row) for row in rows]  # dynamic-offload: one resident layer at any depth
     has_peak = any("peak_bytes" in full for full in fulls)
-    right_key, right_title = ("peak_bytes", "peak device memory (estimate)") if has_peak else (
-        "device_reserved_bytes", "device bytes reserved")
+    estimated = any(peak_of(row)[1] for row in rows)  # fewer layers ran than the model has
+    peak_title = "peak device memory" + (" (estimate)" if estimated else "")
+    right_key, right_title = ("peak_bytes", peak_title) if has_peak else ("device_reserved_bytes",
+                                                                          "device bytes reserved")
+    batches = "/".join(str(batch) for batch in sorted({row.get("batch", 1) for row in rows}))
     unit, scale = ("GiB", GIB) if max(full["device_bytes"] for full in fulls) >= GIB else ("MiB", 2**20)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for system in dict.fromkeys(row["system"] for row in rows):
-        points = sorted(((row["context"], full) for row, full in zip(rows, fulls) if row["system"] == system),
+    for series in dict.fromkeys(series_of(row, rows) for row in rows):
+        points = sorted(((row["context"], full) for row, full in zip(rows, fulls) if series_of(row, rows) == series),
                         key=lambda point: point[0])
         contexts = [context for context, _ in points]
-        axes[0].plot(contexts, [full["device_bytes"] / scale for _, full in points], marker="o", label=system)
-        axes[1].plot(contexts, [full.get(right_key, 0) / scale for _, full in points], marker="o", label=system)
+        axes[0].plot(contexts, [full["device_bytes"] / scale for _, full in points], marker="o", label=series)
+        axes[1].plot(contexts, [full.get(right_key, 0) / scale for _, full in points], marker="o", label=series)
     layers = rows[0]["full_depth"]["layers"]
     for ax, title in zip(axes, ("device KV + page metadata", right_title)):
-        log2_axis(ax, sorted({row["context"] for row in rows}), "context (tokens), batch 1")
+        log2_axis(ax, sorted({row["context"] for row in rows}), f"context (tokens), batch {batches}")
         ax.set_ylabel(unit)
         ax.set_title(f"{title}, {layers} layers", fontsize=9)
         ax.grid(alpha=0.3)
@@ -62,15 +71,15 @@ def plot_speedup(rows: list[dict[str, Any]], path: Path) -> None:
     contexts = sorted({row["context"] for row in rows})
     fig, axes = plt.subplots(1, len(contexts), figsize=(4.2 * len(contexts), 3.6), squeeze=False)
     for ax, context in zip(axes[0], contexts):
-        for system in dict.fromkeys(row["system"] for row in rows if row["system"] != "dynamic"):
+        for series in dict.fromkeys(series_of(row, rows) for row in rows if row["system"] != "dynamic"):
             points = []
             for row in rows:
                 dyn = find(rows, system="dynamic", context=context, batch=row["batch"], model=row["model"])
-                if row["system"] == system and row["context"] == context and dyn:
+                if series_of(row, rows) == series and row["context"] == context and dyn:
                     points.append((row["batch"], dyn["step_ms_p50"] / row["step_ms_p50"]))
             if points:
                 points.sort()
-                ax.plot([b for b, _ in points], [v for _, v in points], marker="o", label=system)
+                ax.plot([b for b, _ in points], [v for _, v in points], marker="o", label=series)
         ax.axhline(1.0, color="grey", linewidth=0.8)
         log2_axis(ax, sorted({row["batch"] for row in rows}), "batch")
         ax.set_ylabel("DynamicCache step / system step")

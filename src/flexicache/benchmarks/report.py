@@ -123,6 +123,10 @@ def decode_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     text += ("\n\n`GPU busy ms`: kernels + copies per step (torch profiler, measured at batch "
              f"{results['settings']['attention_batch']} only); `GPU idle` = 1 - busy / p50. `H2D/step`: FlexiCache's "
              "host-to-device counter; `-` = not counted (DynamicCache).")
+    if layers < results["settings"]["rerank_interval"] and any(row["system"].startswith("flexicache") for row in rows):
+        text += (f"\n\nWith {layers} layers, fewer than the rerank interval ({results['settings']['rerank_interval']}),"
+                 " most steps hold no stable rerank (they are staggered over the layers): the p50 and the full-depth "
+                 "estimates leave the reranks out.")
     if not with_full and fewer_layers(rows):
         text += (f"\n\nFull-depth ({full_layers(rows[0]['model'])}-layer) step times and tokens/s: "
                  + (NA if any(why == NA for _, why in estimates.values()) else "not measured")

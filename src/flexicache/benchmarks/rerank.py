@@ -27,7 +27,7 @@ import torch
 
 from flexicache import HeadProfile
 from flexicache.benchmarks.attention import Shape, bench_flexicache, random_profile, run_attention_benchmark
-from flexicache.benchmarks.suite import CaseResult, Suite, model_config
+from flexicache.benchmarks.suite import CaseResult, Suite, cache_options, model_config
 
 NEVER = 10**9  # a rerank interval no run reaches
 
@@ -47,7 +47,7 @@ def run_attention(suite: Suite, model_name: str, result: CaseResult) -> None:
         return
     shape = shape_of(model_name, s.layers)
     suite.attempt(result, label, partial(run_attention_benchmark, s.attention_batch, s.attention_context, s.budget,
-                                         shape, s.unstable_fraction, s.layer_steps, s.warmup, s.seed))
+                                         shape, s.unstable_fraction, s.layer_steps, s.warmup, s.seed, cache_options(s)))
 
 
 def correlated_queries(count: int, batch: int, shape: Shape, correlation: float, device: torch.device,
@@ -93,7 +93,7 @@ def run(suite: Suite, model_name: str, result: CaseResult) -> None:
         label = {"model": model_name, "schedule": name, "batch": batch, "context": context, "budget": s.budget,
                  "layers": shape.num_layers, "query_correlation": s.query_correlation}
         suite.attempt(result, label, partial(bench_flexicache, shape, prompt, new_tokens, queries, profile, s.budget,
-                                             steps, s.warmup, interval, s.backend))
+                                             steps, s.warmup, interval, cache_options(s)))
 
 
 def timed_steps(layer_steps: int, rerank_interval: int) -> int:

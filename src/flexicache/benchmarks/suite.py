@@ -131,12 +131,18 @@ class System:
                                   [(layer, head) for layer in range(shape.num_layers)
                                    for head in range(shape.num_kv_heads)])
             budget = self.budget if self.kind == "quest" else page * math.ceil((tokens + page) / page)
-        standby = settings.standby_pages if settings.standby_pages in STANDBY_NAMES else int(settings.standby_pages)
-        options = {"page_size": page, "rerank_interval": settings.rerank_interval, "standby_pages": standby,
-                   "exact_rescore": settings.exact_rescore, "backend": settings.backend,
-                   "cuda_graphs": settings.cuda_graphs != "off", "max_cache_len": tokens, "profile": profile,
+        options = {**cache_options(settings), "page_size": page, "rerank_interval": settings.rerank_interval,
+                   "max_cache_len": tokens, "profile": profile,
                    **system_options(self.name)}  # profile=online: the split estimated from the prompt
         return FlexiCache(config, token_budget=budget, **options)
+
+
+def cache_options(settings: Settings) -> dict[str, Any]:
+    """The run's FlexiCache settings every case applies (page size, standby pages, exact rescoring, backend, CUDA
+    graphs); the rerank interval, budget and profile are each case's."""
+    standby = settings.standby_pages if settings.standby_pages in STANDBY_NAMES else int(settings.standby_pages)
+    return {"page_size": settings.page_size, "standby_pages": standby, "exact_rescore": settings.exact_rescore,
+            "backend": settings.backend, "cuda_graphs": settings.cuda_graphs != "off"}
 
 
 def systems(names: list[str]) -> list[System]:
