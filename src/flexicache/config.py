@@ -37,9 +37,10 @@ class FlexiCacheConfig:
             scoring every page or copying anything. ``"auto"`` (the default): ``K``, as many as it attends to
             (perplexity within +2% of dense on three of four pairs of files where ``K // 4`` is on none, for 1.05x
             the GPU decode step, eval/RESULTS.md); ``"quarter"``: ``K // 4``, a lighter working set; either capped at
-            ``MAX_WORKING_SET_SLOTS - K`` (``K`` above 2048 pages gets fewer than ``K``). ``0``: the paper's stable heads (the rerank's top ``K - 1`` until the
-            next rerank). Costs ``C`` device pages per stable head and the scores of ``K - 1 + C`` pages per stable
-            head and step (their keys' attention mass with ``exact_rescore``, else their boxes).
+            ``MAX_WORKING_SET_SLOTS - K`` (``K`` above 2048 pages gets fewer than ``K``). ``0``: the paper's stable
+            heads (the rerank's top ``K - 1`` until the next rerank). Costs ``C`` device pages per stable head and
+            the scores of ``K - 1 + C`` pages per stable head and step (their keys' attention mass with
+            ``exact_rescore``, else their boxes).
         group_reduce: how the box scores of the query heads of one GQA group are combined, ``"max"`` or ``"sum"``
             (exact rescoring always sums their attention shares).
         spread_weight: how much a page's key spread counts in its score, in ``[0, 1]``: a page scores

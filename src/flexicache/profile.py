@@ -82,7 +82,8 @@ class HeadProfile:
                     f"({self.num_layers} layers x {self.num_kv_heads} KV heads)."
                 )
         if self.sparse_layers is not None:
-            self.sparse_layers = sorted({index(layer, "sparse_layers", "a layer index") for layer in self.sparse_layers})
+            self.sparse_layers = sorted({index(layer, "sparse_layers", "a layer index")
+                                         for layer in self.sparse_layers})
             if any(not 0 <= layer < self.num_layers for layer in self.sparse_layers):
                 raise ValueError(f"HeadProfile covers layers {self.sparse_layers}, outside its {self.num_layers} "
                                  "layers.")

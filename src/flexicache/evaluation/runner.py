@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -91,9 +92,13 @@ class PredictionStore:
         """Add one record as a line (after ending a line an interrupted run left unfinished, which stays unread)."""
         path = self.path(task, method)
         path.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps(record, ensure_ascii=False) + "\n"
         with open(path, "a+b") as handle:
-            torn = handle.tell() > 0 and (handle.seek(-1, 2), handle.read(1))[1] != b"\n"
-            handle.write((("\n" if torn else "") + json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+            if handle.seek(0, os.SEEK_END) > 0:
+                handle.seek(-1, os.SEEK_END)
+                if handle.read(1) != b"\n":
+                    line = "\n" + line
+            handle.write(line.encode("utf-8"))
 
 
 def generation_settings(samples: Sequence[Sample], decode_tail: int, stop_ids: set[int], newline: int,

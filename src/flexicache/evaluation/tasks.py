@@ -3,6 +3,7 @@ with one way to score them."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -53,8 +54,8 @@ class Task:
     bucket: Callable[[Sample], str] | None = None
 
     def __post_init__(self) -> None:
-        ids = [sample.id for sample in self.samples]
-        repeated = sorted({sample_id for sample_id in ids if ids.count(sample_id) > 1})
+        repeated = sorted(sample_id for sample_id, count in Counter(sample.id for sample in self.samples).items()
+                          if count > 1)
         if repeated:  # predictions are stored and summarised by id: a repeated one would count once
             raise ValueError(f"task {self.name!r} has several samples with the id(s) {repeated}; each sample needs "
                              "its own (e.g. two --data files of one name: rename or drop one)")
