@@ -15,6 +15,15 @@ def pins_host_tier(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def to_tier_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` cast to a tier's ``dtype``; an 8-bit float tier saturates at its largest magnitude (448 for
+    float8_e4m3fn, which has no inf: a plain cast gives NaN beyond it on some torch versions)."""
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        limit = torch.finfo(dtype).max
+        tensor = tensor.clamp(-limit, limit)
+    return tensor.to(dtype)
+
+
 class HostTier:
     """Full pages of ``h`` stable heads in host memory: ``k``/``v`` of shape ``[B, h, P, ps, D]`` (``capacity`` pages
     per row up front), in ``dtype`` (the KV's, or a narrower one: ``FlexiCacheConfig.host_dtype``; every copy to

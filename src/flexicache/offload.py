@@ -36,7 +36,7 @@ import torch
 
 from flexicache import host_tier
 from flexicache.backends import triton_available
-from flexicache.host_tier import HostTier
+from flexicache.host_tier import HostTier, to_tier_dtype
 from flexicache.paging import PagePool
 from flexicache.selection import attended_slots, update_selection
 from flexicache.sequence import AppendPlan, host_to_device, per_row
@@ -241,8 +241,8 @@ class OffloadedPages:
             host_index = source_index if centre_sign > 0 else target_index
             centre = self.key_centre[host_index.to(self.key_centre.device) // pages_per_row].to(target[0].device)
             keys = keys.to(centre.dtype) + centre_sign * centre.unsqueeze(1)
-        target[0][target_index] = keys.to(target[0].dtype)
-        target[1][target_index] = source[1][source_index].to(target[1].device, target[1].dtype)
+        target[0][target_index] = to_tier_dtype(keys, target[0].dtype)
+        target[1][target_index] = to_tier_dtype(source[1][source_index].to(target[1].device), target[1].dtype)
 
     def _host_keys(self, keys: torch.Tensor, requests: torch.Tensor) -> torch.Tensor:
         """``keys [N, h, D]`` of requests ``requests [N]`` as the host tier stores them (less their centre)."""
@@ -296,9 +296,9 @@ class OffloadedPages:
                 self._copy_staged_to_tier()
         else:
             batch_host, page_host, offset_host = plan.batch.cpu(), plan.page.cpu(), plan.offset.cpu()
-            self.host.k[batch_host, :, page_host, offset_host] = self._host_keys(new_keys, plan.batch).to(
-                "cpu", self.host.k.dtype)
-            self.host.v[batch_host, :, page_host, offset_host] = new_values.to("cpu", self.host.v.dtype)
+            self.host.k[batch_host, :, page_host, offset_host] = to_tier_dtype(
+                self._host_keys(new_keys, plan.batch), self.host.k.dtype).cpu()
+            self.host.v[batch_host, :, page_host, offset_host] = to_tier_dtype(new_values, self.host.v.dtype).cpu()
         requests = host_to_device((plan.after_host > 0).nonzero().view(-1), device)
         tail_slots = self._tail_slots(requests)
         self._to_device(self._host_page_index(requests, (plan.after[requests] - 1) // self.page_size), tail_slots,
