@@ -11,7 +11,8 @@ On a random-weight model of a real shape (``--shape``, all its layers by default
   ``--long-tokens`` new tokens.
 
 FlexiCache runs without a profile (the library's default: the head split estimated from the prompt over every layer;
-``--unstable-fraction F``: a random profile instead, ``--skip-dense``: only the FlexiCache rows). A
+``--unstable-fraction F``: a random profile instead, ``--standby-pages quarter``: another standby setting,
+``--skip-dense``: only the FlexiCache rows). A
 stopping-criteria clock (the device synchronised) times every step: the first interval is prompt to first token
 (the prefill), the rest are decode steps (p50, p99 and p99/p50). Peak device memory is torch's allocator peak over
 the whole ``generate``. One untimed FlexiCache request at full size goes first: the first request of a process
@@ -96,6 +97,8 @@ def main() -> None:
     parser.add_argument("--unstable-fraction", type=float, default=None,
                         help="FlexiCache rows with a random profile of this share of unstable heads (default: none)")
     parser.add_argument("--skip-dense", action="store_true", help="only the FlexiCache rows")
+    parser.add_argument("--standby-pages", default=None,
+                        help="FlexiCache's standby_pages (default: the library's, 'auto'), e.g. quarter or 0")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
@@ -109,6 +112,8 @@ def main() -> None:
           f"{args.budget}, {args.new_tokens} new tokens ({args.long_tokens} for the long run)", flush=True)
     profile = None if args.unstable_fraction is None else random_profile(Shape.of(config), args.unstable_fraction)
     settings = {"profile": profile, "token_budget": args.budget}
+    if args.standby_pages is not None:
+        settings["standby_pages"] = int(args.standby_pages) if args.standby_pages.isdigit() else args.standby_pages
     start = time.perf_counter()
     rows = [] if args.skip_dense else [
         measure("DynamicCache + sdpa", model, ids, args.new_tokens, warm_ids,
@@ -130,7 +135,8 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({
             "shape": args.shape, "layers": config.num_hidden_layers, "context": args.context, "batch": args.batch,
-            "budget": args.budget, "unstable_fraction": args.unstable_fraction, "torch": torch.__version__,
+            "budget": args.budget, "unstable_fraction": args.unstable_fraction,
+            "standby_pages": args.standby_pages or "auto", "torch": torch.__version__,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "rows": rows,
         }, indent=2))
 
