@@ -191,3 +191,27 @@ def test_exact_rescore_plot_reads_the_committed_runs(tmp_path: Path) -> None:
     assert out.count("exact_rescore 1.") == 7 and out.count("with K standby 1.") == 7
     assert "Qwen2.5-Coder-0.5B" in out
     assert (tmp_path / "exact_rescore.png").stat().st_size > 0
+
+
+def test_head_budget_split_masks_keep_the_layer_budget() -> None:
+    """eval/head_budget_split.py: the pooled mask attends to exactly H * K pages with every head's sink and tail, the
+    ones of most mass; the prompt split gives a head of spread attention more pages than one whose attention sits on
+    one key (they add recall there), H * K in all, at least 2 each."""
+    script = load_script("head_budget_split.py")
+    heads, group, page_size, pages, num_pages = 3, 2, 4, 4, 10
+    weights = torch.full((heads, group, num_pages * page_size), 1e-3)
+    weights[0, :, 8:28] = 1.0  # head 0 puts its mass on pages 2-6, head 2 on page 5 alone; head 1 is flat
+    weights[2, :, 20:24] = 1.0
+    mask = script.pooled_token_mask(weights, page_size, pages)
+    chosen = mask.view(heads, num_pages, page_size).all(-1)
+    whole_pages = bool((mask.view(heads, num_pages, page_size).any(-1) == chosen).all())
+    assert int(chosen.sum()) == heads * pages and whole_pages
+    assert bool(chosen[:, 0].all() and chosen[:, -1].all())
+    assert chosen[0, 2:7].all() and chosen[2, 5] and int(chosen[1].sum()) == 2
+
+    torch.manual_seed(0)
+    keys = torch.randn(2, 80, 8)
+    query = torch.randn(4, 80, 8) * 0.01  # KV head 0's query heads: flat attention
+    query[2:] = keys[1, 40].expand(2, 80, 8) * 4  # KV head 1's: one key
+    given = script.prompt_head_pages(query, keys, page_size=4, pages=5, window=16)
+    assert int(given.sum()) == 10 and bool((given >= 2).all()) and int(given[0]) > int(given[1])

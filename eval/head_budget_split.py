@@ -1,0 +1,174 @@
+"""Experiment (not a FlexiCache option): the ceiling of splitting a layer's budget across its KV heads, against the
+same budget for every head, as decode-mode perplexity of SmolLM2 with oracle pages.
+
+Every row reads every key (oracle pages, :mod:`flexicache.oracle`); a head's mass is that of its GQA group, the same
+total for every head:
+
+- ``uniform``: every (request, KV head) attends to its own top ``K`` pages by true attention mass (the oracle rows of
+  the tables);
+- ``pooled``: at every step and in every layer, the ``H * K`` pages of most mass over all of a request's KV heads,
+  each head's sink and tail forced: a head whose attention is spread takes pages from one whose attention sits on a
+  few (the summed recall over the layer's heads is largest);
+- ``prompt-split``: each head its own top ``K_h`` pages, the ``K_h`` (summing to ``H * K``, at least 2) fixed at the
+  prompt so that the oracle pages' mean recall over the prompt's last 64 queries, summed over the heads, is largest:
+  shapes fixed for the whole decode, as CUDA graphs want;
+- ``*-candidates``: the same, each head choosing only among its top ``2K`` pages by FlexiCache's box scores, by its
+  query heads' share of the attention over those candidates (what exact rescoring knows at a step).
+
+Each file: its first 1536 tokens, 1024 prefilled, the rest scored one token per forward; budget 192 (1/8), 8-token
+pages; the ratio of a pair of files is the perplexity over both files' tokens, as the tables'. Usage:
+``python eval/head_budget_split.py [FILE ...] [--methods uniform pooled ...]`` (standard-library file names; default
+the two pairs of the perplexity tables: typing.py argparse.py dataclasses.py inspect.py; every method by default)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import DynamicCache
+
+from flexicache.evaluation.perplexity import decode_nll, perplexity, stdlib_file
+from flexicache.models import load_model
+from flexicache.oracle import OracleCache, OracleLayer, oracle_token_mask
+
+CONTEXT, PREFILL, BUDGET, PAGE_SIZE = 1536, 1024, 192, 8
+WINDOW = 64  # prompt-tail queries the prompt split reads
+CANDIDATES = 2  # the candidates rows: each head's top 2K pages by box score, as exact rescoring's unstable heads
+
+
+def pooled_token_mask(weights: torch.Tensor, page_size: int, pages: int, candidates: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """``[H, T]`` bool: the ``H * pages`` pages of most attention mass (``weights [H, G, T]`` summed over the group)
+    over all heads together, among the pages ``candidates [H, P]`` (bool; ``None``: all), every head's first and last
+    page forced."""
+    heads, _, num_tokens = weights.shape
+    num_pages = -(-num_tokens // page_size)
+    if num_pages <= pages:
+        return torch.ones(heads, num_tokens, dtype=torch.bool)
+    padded = torch.nn.functional.pad(weights.sum(1), (0, num_pages * page_size - num_tokens))
+    mass = padded.view(heads, num_pages, page_size).sum(-1)
+    if candidates is not None:
+        mass = mass.masked_fill(~candidates, -1.0)
+    mass[:, 0] = mass[:, -1] = float("inf")
+    top = mass.flatten().topk(heads * pages).indices
+    chosen = torch.zeros(heads * num_pages, dtype=torch.bool).scatter_(0, top, True).view(heads, num_pages)
+    return chosen.repeat_interleave(page_size, dim=1)[:, :num_tokens]
+
+
+class SharedBudgetLayer(OracleLayer):
+    """An oracle layer whose heads attend to different numbers of pages (:meth:`token_mask`). With ``candidates``,
+    each head chooses among its top ``candidates * K`` pages by box score, by its query heads' share of the attention
+    over those candidates (what exact rescoring knows)."""
+
+    def _decode_request(self, query: torch.Tensor, request: int, scale: float) -> torch.Tensor:
+        real = self.valid[request].nonzero().view(-1)
+        keys = self.keys[request][:, real].float()  # [H, N, D]
+        values = self.values[request][:, real].float()
+        num_heads, _, head_dim = keys.shape
+        grouped = query.float().view(num_heads, -1, head_dim)  # [H, G, D]
+        logits = torch.bmm(grouped, keys.transpose(1, 2)) * scale  # [H, G, N]
+        candidates, shares = None, logits.softmax(-1)
+        if self.candidates:
+            candidates = self._candidate_pages(grouped, keys, request)
+            in_candidates = candidates.repeat_interleave(self.settings.page_size, dim=1)[:, : keys.shape[1]]
+            shares = logits.masked_fill(~in_candidates.unsqueeze(1), float("-inf")).softmax(-1)
+        mask = self.token_mask(shares, candidates)
+        weights = logits.masked_fill(~mask.unsqueeze(1), float("-inf")).softmax(-1)
+        return torch.bmm(weights, values).view(-1, head_dim)
+
+    def token_mask(self, shares: torch.Tensor, candidates: torch.Tensor | None) -> torch.Tensor:
+        """``[H, N]`` bool: the tokens each head attends to, from ``shares [H, G, N]`` among ``candidates [H, P]``."""
+        raise NotImplementedError
+
+
+class PooledOracleLayer(SharedBudgetLayer):
+    """Every step, the ``H * K`` pages of most mass over the layer's heads (:func:`pooled_token_mask`)."""
+
+    def token_mask(self, shares: torch.Tensor, candidates: torch.Tensor | None) -> torch.Tensor:
+        return pooled_token_mask(shares, self.settings.page_size, self.settings.pages_per_head, candidates)
+
+
+def prompt_head_pages(query: torch.Tensor, keys: torch.Tensor, page_size: int, pages: int, window: int = WINDOW
+                      ) -> torch.Tensor:
+    """``[H]`` pages per head, summing to ``H * pages`` (at least 2, at most the prompt's pages), chosen greedily so
+    that the mean recall of the oracle pages over the prompt's last ``window`` queries (``query [Hq, T, D]`` over
+    ``keys [H, T, D]``, causal), summed over the heads, is largest."""
+    heads, length, head_dim = keys.shape
+    num_pages = -(-length // page_size)
+    if num_pages <= pages:
+        return torch.full((heads,), pages)
+    tail = query[:, -window:].float().view(heads, -1, min(window, length), head_dim)  # [H, G, W, D]
+    logits = torch.einsum("hgwd,htd->hgwt", tail, keys.float()) * head_dim ** -0.5
+    positions = torch.arange(length - tail.shape[2], length).view(-1, 1)
+    logits = logits.masked_fill(torch.arange(length).view(1, -1) > positions, float("-inf"))
+    mass = torch.nn.functional.pad(logits.softmax(-1).sum(1), (0, num_pages * page_size - length))
+    mass = mass.view(heads, tail.shape[2], num_pages, page_size).sum(-1)  # [H, W, P]
+    recall = mass.sort(dim=-1, descending=True).values.cumsum(-1).mean(1)  # [H, P]: recall of the top k+1 pages
+    gains = torch.cat([recall[:, :1], recall.diff(dim=-1)], dim=-1)  # [H, P], non-increasing along P
+    given = torch.full((heads,), 2)
+    for _ in range(heads * pages - int(given.sum())):
+        marginal = gains.gather(1, given.clamp(max=num_pages - 1).view(-1, 1)).view(-1)
+        marginal[given >= num_pages] = -1.0
+        given[marginal.argmax()] += 1
+    return given
+
+
+class PromptSplitOracleLayer(SharedBudgetLayer):
+    """Each head's own top ``K_h`` pages by mass, ``K_h`` fixed at the prompt (:func:`prompt_head_pages`)."""
+
+    head_pages: torch.Tensor | None = None
+
+    def commit(self, chunk, query: torch.Tensor, real_tokens: torch.Tensor | None) -> None:
+        super().commit(chunk, query, real_tokens)
+        if self.head_pages is None and chunk.keys.shape[2] > 1:
+            self.head_pages = prompt_head_pages(query[0], chunk.keys[0], self.settings.page_size,
+                                                self.settings.pages_per_head)
+
+    def token_mask(self, shares: torch.Tensor, candidates: torch.Tensor | None) -> torch.Tensor:
+        return torch.cat([oracle_token_mask(shares[h:h + 1], self.settings.page_size, int(pages),
+                                            None if candidates is None else candidates[h:h + 1])
+                          for h, pages in enumerate(self.head_pages)])
+
+
+def oracle_with(config, layer_type: type[SharedBudgetLayer], candidates: int = 0) -> OracleCache:
+    """An :class:`OracleCache` at ``BUDGET`` whose paged layers are ``layer_type``."""
+    cache = OracleCache(config, token_budget=BUDGET, page_size=PAGE_SIZE, candidates=candidates)
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, OracleLayer):
+            cache.layers[index] = layer_type(index, layer.settings, candidates)
+    return cache
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="*", default=["typing.py", "argparse.py", "dataclasses.py", "inspect.py"])
+    parser.add_argument("--methods", nargs="+", default=["uniform", "pooled", "prompt-split", "uniform-candidates",
+                                                           "pooled-candidates", "prompt-split-candidates"])
+    args = parser.parse_args()
+    files = args.files
+    model, tokenizer = load_model("smollm2", device="cpu", dtype=torch.float32)
+    makers = {"dense": lambda: DynamicCache(config=model.config),
+              "uniform": lambda: OracleCache(model.config, token_budget=BUDGET, page_size=PAGE_SIZE),
+              "pooled": lambda: oracle_with(model.config, PooledOracleLayer),
+              "prompt-split": lambda: oracle_with(model.config, PromptSplitOracleLayer),
+              "uniform-candidates": lambda: OracleCache(model.config, token_budget=BUDGET, page_size=PAGE_SIZE,
+                                                        candidates=CANDIDATES),
+              "pooled-candidates": lambda: oracle_with(model.config, PooledOracleLayer, CANDIDATES),
+              "prompt-split-candidates": lambda: oracle_with(model.config, PromptSplitOracleLayer, CANDIDATES)}
+    makers = {m: make for m, make in makers.items() if m == "dense" or m in args.methods}
+    scored: dict[str, dict[str, tuple[float, int]]] = {}  # file: method: (summed NLL, tokens)
+    for name in files:
+        ids = tokenizer(stdlib_file(name).read_text(), add_special_tokens=True).input_ids[:CONTEXT]
+        for method, make in makers.items():
+            scored.setdefault(name, {})[method] = decode_nll(model, ids, make(), PREFILL)
+            print(f"{name} {method}: perplexity {perplexity(*scored[name][method]):.3f}", flush=True)
+    for pair in zip(files[::2], files[1::2]):  # the tables' ratio: perplexity over both files' tokens
+        pooled = {m: perplexity(sum(scored[f][m][0] for f in pair), sum(scored[f][m][1] for f in pair))
+                  for m in makers}
+        row = ", ".join(f"{m} {pooled[m] / pooled['dense']:.3f}" for m in makers if m != "dense")
+        print(f"{' + '.join(pair)} (x dense): {row}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
