@@ -15,10 +15,11 @@ total for every head:
 - ``*-candidates``: the same, each head choosing only among its top ``2K`` pages by FlexiCache's box scores, by its
   query heads' share of the attention over those candidates (what exact rescoring knows at a step).
 
-Each file: its first 1536 tokens, 1024 prefilled, the rest scored one token per forward; budget 192 (1/8), 8-token
-pages; the ratio of a pair of files is the perplexity over both files' tokens, as the tables'. Usage:
-``python eval/head_budget_split.py [FILE ...] [--methods uniform pooled ...]`` (standard-library file names; default
-the two pairs of the perplexity tables: typing.py argparse.py dataclasses.py inspect.py; every method by default)
+Each file: its first ``--context`` tokens (1536), ``--prefill`` of them prefilled (1024), the rest scored one token
+per forward; ``--budget`` 192 (1/8), 8-token pages; the ratio of a pair of files is the perplexity over both files'
+tokens, as the tables'. Usage: ``python eval/head_budget_split.py [FILE ...] [--methods uniform pooled ...] [--model
+qwen2.5-coder --context 2048 --prefill 1536 --budget 256]`` (standard-library file names; default the two pairs of
+the perplexity tables: typing.py argparse.py dataclasses.py inspect.py; every method by default)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from flexicache.evaluation.perplexity import decode_nll, perplexity, stdlib_file
 from flexicache.models import load_model
 from flexicache.oracle import OracleCache, OracleLayer, oracle_token_mask
 
-CONTEXT, PREFILL, BUDGET, PAGE_SIZE = 1536, 1024, 192, 8
+PAGE_SIZE = 8
 WINDOW = 64  # prompt-tail queries the prompt split reads
 CANDIDATES = 2  # the candidates rows: each head's top 2K pages by box score, as exact rescoring's unstable heads
 
@@ -131,9 +132,19 @@ class PromptSplitOracleLayer(SharedBudgetLayer):
                           for h, pages in enumerate(self.head_pages)])
 
 
-def oracle_with(config, layer_type: type[SharedBudgetLayer], candidates: int = 0) -> OracleCache:
-    """An :class:`OracleCache` at ``BUDGET`` whose paged layers are ``layer_type``."""
-    cache = OracleCache(config, token_budget=BUDGET, page_size=PAGE_SIZE, candidates=candidates)
+METHODS: dict[str, tuple[type[OracleLayer], int]] = {  # name: (its paged layers, candidates per K; 0: all pages)
+    "uniform": (OracleLayer, 0),
+    "pooled": (PooledOracleLayer, 0),
+    "prompt-split": (PromptSplitOracleLayer, 0),
+    "uniform-candidates": (OracleLayer, CANDIDATES),
+    "pooled-candidates": (PooledOracleLayer, CANDIDATES),
+    "prompt-split-candidates": (PromptSplitOracleLayer, CANDIDATES),
+}
+
+
+def oracle_cache(config, budget: int, layer_type: type[OracleLayer], candidates: int) -> OracleCache:
+    """An :class:`OracleCache` at ``budget`` (8-token pages) whose paged layers are ``layer_type``."""
+    cache = OracleCache(config, token_budget=budget, page_size=PAGE_SIZE, candidates=candidates)
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, OracleLayer):
             cache.layers[index] = layer_type(index, layer.settings, candidates)
@@ -143,30 +154,25 @@ def oracle_with(config, layer_type: type[SharedBudgetLayer], candidates: int = 0
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="*", default=["typing.py", "argparse.py", "dataclasses.py", "inspect.py"])
-    parser.add_argument("--methods", nargs="+", default=["uniform", "pooled", "prompt-split", "uniform-candidates",
-                                                           "pooled-candidates", "prompt-split-candidates"])
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--model", default="smollm2", help="a model name of flexicache.models (e.g. qwen2.5-coder)")
+    parser.add_argument("--context", type=int, default=1536, help="tokens of each file")
+    parser.add_argument("--prefill", type=int, default=1024, help="of them prefilled (the rest scored)")
+    parser.add_argument("--budget", type=int, default=192)
     args = parser.parse_args()
-    files = args.files
-    model, tokenizer = load_model("smollm2", device="cpu", dtype=torch.float32)
-    makers = {"dense": lambda: DynamicCache(config=model.config),
-              "uniform": lambda: OracleCache(model.config, token_budget=BUDGET, page_size=PAGE_SIZE),
-              "pooled": lambda: oracle_with(model.config, PooledOracleLayer),
-              "prompt-split": lambda: oracle_with(model.config, PromptSplitOracleLayer),
-              "uniform-candidates": lambda: OracleCache(model.config, token_budget=BUDGET, page_size=PAGE_SIZE,
-                                                        candidates=CANDIDATES),
-              "pooled-candidates": lambda: oracle_with(model.config, PooledOracleLayer, CANDIDATES),
-              "prompt-split-candidates": lambda: oracle_with(model.config, PromptSplitOracleLayer, CANDIDATES)}
-    makers = {m: make for m, make in makers.items() if m == "dense" or m in args.methods}
+    model, tokenizer = load_model(args.model, device="cpu", dtype=torch.float32)
     scored: dict[str, dict[str, tuple[float, int]]] = {}  # file: method: (summed NLL, tokens)
-    for name in files:
-        ids = tokenizer(stdlib_file(name).read_text(), add_special_tokens=True).input_ids[:CONTEXT]
-        for method, make in makers.items():
-            scored.setdefault(name, {})[method] = decode_nll(model, ids, make(), PREFILL)
+    for name in args.files:
+        ids = tokenizer(stdlib_file(name).read_text(), add_special_tokens=True).input_ids[: args.context]
+        for method in ["dense", *args.methods]:
+            cache = (DynamicCache(config=model.config) if method == "dense"
+                     else oracle_cache(model.config, args.budget, *METHODS[method]))
+            scored.setdefault(name, {})[method] = decode_nll(model, ids, cache, args.prefill)
             print(f"{name} {method}: perplexity {perplexity(*scored[name][method]):.3f}", flush=True)
-    for pair in zip(files[::2], files[1::2]):  # the tables' ratio: perplexity over both files' tokens
+    for pair in zip(args.files[::2], args.files[1::2]):  # the tables' ratio: perplexity over both files' tokens
         pooled = {m: perplexity(sum(scored[f][m][0] for f in pair), sum(scored[f][m][1] for f in pair))
-                  for m in makers}
-        row = ", ".join(f"{m} {pooled[m] / pooled['dense']:.3f}" for m in makers if m != "dense")
+                  for m in ["dense", *args.methods]}
+        row = ", ".join(f"{m} {pooled[m] / pooled['dense']:.3f}" for m in args.methods)
         print(f"{' + '.join(pair)} (x dense): {row}", flush=True)
 
 
