@@ -402,10 +402,12 @@ def test_offload_full_depth_keeps_one_layer_on_device():
 
 @pytest.mark.parametrize("run", GPU_RUNS, ids=lambda run: run.parent.name)
 def test_stored_gpu_runs_render_without_broken_numbers(run):
-    """Every stored H200 run renders (old runs' rows included): no negative number, no threshold, headlines."""
+    """Every stored run renders (old runs' rows included) naming its card (the H200, or the H100 of the h100_* runs):
+    no negative number, no threshold, headlines."""
     results = json.loads(run.read_text())
     report = render_report(results)
-    assert "1x NVIDIA H200" in report and "#### Headline numbers" in report
+    card = "1x NVIDIA H100" if run.parent.name.startswith("h100_") else "1x NVIDIA H200"
+    assert card in report and "#### Headline numbers" in report
     assert not re.search(r"\| -\d", report) and "-0." not in report
     assert headlines(results) and "NOT met" not in report
 
