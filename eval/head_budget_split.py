@@ -31,7 +31,7 @@ from transformers import DynamicCache
 
 from flexicache.evaluation.perplexity import decode_nll, perplexity, stdlib_file
 from flexicache.models import load_model
-from flexicache.oracle import OracleCache, OracleLayer, oracle_token_mask
+from flexicache.oracle import OracleCache, OracleLayer, oracle_token_mask, page_mass
 
 PAGE_SIZE = 8
 WINDOW = 64  # prompt-tail queries the prompt split reads
@@ -47,8 +47,7 @@ def pooled_token_mask(weights: torch.Tensor, page_size: int, pages: int, candida
     num_pages = -(-num_tokens // page_size)
     if num_pages <= pages:
         return torch.ones(heads, num_tokens, dtype=torch.bool)
-    padded = torch.nn.functional.pad(weights.sum(1), (0, num_pages * page_size - num_tokens))
-    mass = padded.view(heads, num_pages, page_size).sum(-1)
+    mass = page_mass(weights, page_size)
     if candidates is not None:
         mass = mass.masked_fill(~candidates, -1.0)
     mass[:, 0] = mass[:, -1] = float("inf")
@@ -57,37 +56,22 @@ def pooled_token_mask(weights: torch.Tensor, page_size: int, pages: int, candida
     return chosen.repeat_interleave(page_size, dim=1)[:, :num_tokens]
 
 
-class SharedBudgetLayer(OracleLayer):
-    """An oracle layer whose heads attend to different numbers of pages (:meth:`token_mask`). With ``candidates``,
-    each head chooses among its top ``candidates * K`` pages by box score, by its query heads' share of the attention
-    over those candidates (what exact rescoring knows)."""
-
-    def _decode_request(self, query: torch.Tensor, request: int, scale: float) -> torch.Tensor:
-        real = self.valid[request].nonzero().view(-1)
-        keys = self.keys[request][:, real].float()  # [H, N, D]
-        values = self.values[request][:, real].float()
-        num_heads, _, head_dim = keys.shape
-        grouped = query.float().view(num_heads, -1, head_dim)  # [H, G, D]
-        logits = torch.bmm(grouped, keys.transpose(1, 2)) * scale  # [H, G, N]
-        candidates, shares = None, logits.softmax(-1)
-        if self.candidates:
-            candidates = self._candidate_pages(grouped, keys, request)
-            in_candidates = candidates.repeat_interleave(self.settings.page_size, dim=1)[:, : keys.shape[1]]
-            shares = logits.masked_fill(~in_candidates.unsqueeze(1), float("-inf")).softmax(-1)
-        mask = self.token_mask(shares, candidates)
-        weights = logits.masked_fill(~mask.unsqueeze(1), float("-inf")).softmax(-1)
-        return torch.bmm(weights, values).view(-1, head_dim)
-
-    def token_mask(self, shares: torch.Tensor, candidates: torch.Tensor | None) -> torch.Tensor:
-        """``[H, N]`` bool: the tokens each head attends to, from ``shares [H, G, N]`` among ``candidates [H, P]``."""
-        raise NotImplementedError
+def candidate_shares(logits: torch.Tensor, candidates: torch.Tensor | None, page_size: int) -> torch.Tensor:
+    """``[H, G, N]`` each query head's share of its attention over the pages ``candidates [H, P]`` (``None``: all),
+    from ``logits [H, G, N]``: what exact rescoring knows at a step."""
+    if candidates is not None:
+        in_candidates = candidates.repeat_interleave(page_size, dim=1)[:, : logits.shape[-1]]
+        logits = logits.masked_fill(~in_candidates.unsqueeze(1), float("-inf"))
+    return logits.softmax(-1)
 
 
-class PooledOracleLayer(SharedBudgetLayer):
-    """Every step, the ``H * K`` pages of most mass over the layer's heads (:func:`pooled_token_mask`)."""
+class PooledOracleLayer(OracleLayer):
+    """Every step, the ``H * K`` pages of most mass over the layer's heads (:func:`pooled_token_mask`), by the
+    :func:`candidate_shares`."""
 
-    def token_mask(self, shares: torch.Tensor, candidates: torch.Tensor | None) -> torch.Tensor:
-        return pooled_token_mask(shares, self.settings.page_size, self.settings.pages_per_head, candidates)
+    def token_mask(self, logits: torch.Tensor, candidates: torch.Tensor | None) -> torch.Tensor:
+        return pooled_token_mask(candidate_shares(logits, candidates, self.settings.page_size),
+                                 self.settings.page_size, self.settings.pages_per_head, candidates)
 
 
 def prompt_head_pages(query: torch.Tensor, keys: torch.Tensor, page_size: int, pages: int, window: int = WINDOW
@@ -103,8 +87,8 @@ def prompt_head_pages(query: torch.Tensor, keys: torch.Tensor, page_size: int, p
     logits = torch.einsum("hgwd,htd->hgwt", tail, keys.float()) * head_dim ** -0.5
     positions = torch.arange(length - tail.shape[2], length).view(-1, 1)
     logits = logits.masked_fill(torch.arange(length).view(1, -1) > positions, float("-inf"))
-    mass = torch.nn.functional.pad(logits.softmax(-1).sum(1), (0, num_pages * page_size - length))
-    mass = mass.view(heads, tail.shape[2], num_pages, page_size).sum(-1)  # [H, W, P]
+    shares = logits.softmax(-1).transpose(1, 2).flatten(0, 1)  # [H * W, G, T]
+    mass = page_mass(shares, page_size).view(heads, -1, num_pages)  # [H, W, P]
     recall = mass.sort(dim=-1, descending=True).values.cumsum(-1).mean(1)  # [H, P]: recall of the top k+1 pages
     gains = torch.cat([recall[:, :1], recall.diff(dim=-1)], dim=-1)  # [H, P], non-increasing along P
     given = torch.full((heads,), 2)
@@ -115,8 +99,9 @@ def prompt_head_pages(query: torch.Tensor, keys: torch.Tensor, page_size: int, p
     return given
 
 
-class PromptSplitOracleLayer(SharedBudgetLayer):
-    """Each head's own top ``K_h`` pages by mass, ``K_h`` fixed at the prompt (:func:`prompt_head_pages`)."""
+class PromptSplitOracleLayer(OracleLayer):
+    """Each head's own top ``K_h`` pages by the :func:`candidate_shares`, ``K_h`` fixed at the prompt
+    (:func:`prompt_head_pages`)."""
 
     head_pages: torch.Tensor | None = None
 
@@ -126,7 +111,8 @@ class PromptSplitOracleLayer(SharedBudgetLayer):
             self.head_pages = prompt_head_pages(query[0], chunk.keys[0], self.settings.page_size,
                                                 self.settings.pages_per_head)
 
-    def token_mask(self, shares: torch.Tensor, candidates: torch.Tensor | None) -> torch.Tensor:
+    def token_mask(self, logits: torch.Tensor, candidates: torch.Tensor | None) -> torch.Tensor:
+        shares = candidate_shares(logits, candidates, self.settings.page_size)
         return torch.cat([oracle_token_mask(shares[h:h + 1], self.settings.page_size, int(pages),
                                             None if candidates is None else candidates[h:h + 1])
                           for h, pages in enumerate(self.head_pages)])

@@ -95,10 +95,15 @@ class OracleLayer(DynamicLayer):
         grouped = query.to(compute_dtype).view(num_heads, -1, head_dim)  # [H, G, D]
         logits = torch.bmm(grouped, keys.transpose(1, 2)) * scale  # [H, G, N]
         candidates = None if not self.candidates else self._candidate_pages(grouped, keys, request)
-        mask = oracle_token_mask(logits.softmax(-1), self.settings.page_size, self.settings.pages_per_head,
-                                 candidates)
+        mask = self.token_mask(logits, candidates)
         weights = logits.masked_fill(~mask.unsqueeze(1), float("-inf")).softmax(-1)
         return torch.bmm(weights, values).view(-1, head_dim)
+
+    def token_mask(self, logits: torch.Tensor, candidates: torch.Tensor | None) -> torch.Tensor:
+        """``[H, N]`` bool: the tokens each KV head attends to, for its query heads' ``logits [H, G, N]`` among the
+        pages ``candidates [H, P]`` (``None``: all): its oracle pages (a subclass may choose otherwise)."""
+        return oracle_token_mask(logits.softmax(-1), self.settings.page_size, self.settings.pages_per_head,
+                                 candidates)
 
     def _candidate_pages(self, grouped: torch.Tensor, keys: torch.Tensor, request: int) -> torch.Tensor:
         """``[H, P]`` bool: the top ``candidates * K`` pages of each head of ``request`` by FlexiCache's box scores
@@ -128,6 +133,15 @@ def page_mask(pages: torch.Tensor, num_pages: int) -> torch.Tensor:
     return chosen.scatter_(1, pages.masked_fill(pages < 0, num_pages), True)[:, :-1]
 
 
+def page_mass(weights: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``[R, P]`` each page's attention mass summed over the group, from ``weights [R, G, T]`` (the last page may be
+    partly filled)."""
+    num_tokens = weights.shape[-1]
+    num_pages = -(-num_tokens // page_size)
+    padded = torch.nn.functional.pad(weights.sum(1), (0, num_pages * page_size - num_tokens))
+    return padded.view(weights.shape[0], num_pages, page_size).sum(-1)
+
+
 def oracle_token_mask(weights: torch.Tensor, page_size: int, pages: int, candidates: torch.Tensor | None = None
                       ) -> torch.Tensor:
     """``[R, T]`` bool: the tokens of the top ``pages`` pages of every row by attention mass summed over the group
@@ -137,8 +151,7 @@ def oracle_token_mask(weights: torch.Tensor, page_size: int, pages: int, candida
     num_pages = -(-num_tokens // page_size)
     if num_pages <= pages:
         return torch.ones(rows, num_tokens, dtype=torch.bool, device=weights.device)
-    padded = torch.nn.functional.pad(weights.sum(1), (0, num_pages * page_size - num_tokens))
-    mass = padded.view(rows, num_pages, page_size).sum(-1)
+    mass = page_mass(weights, page_size)
     if candidates is not None:
         mass = mass.masked_fill(~candidates, -1.0)
     mass[:, 0] = mass[:, -1] = float("inf")
