@@ -29,10 +29,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from flexicache import FlexiCache, attention, decode_paths, key_basis, layer, paging, storage
+from flexicache import FlexiCache, attention, decode_paths, head_budgets, key_basis, layer, paging, storage
 from flexicache.benchmarks.attention import Shape, random_profile
 from flexicache.benchmarks.measure import build_model, random_ids, synchronize
 from flexicache.benchmarks.suite import MODEL_SHAPES, model_config
+from flexicache.config import FlexiCacheConfig
 from flexicache.head_split import OnlineHeadSplit
 from flexicache.key_basis import KeyBasis
 from flexicache.models import cache_keyword
@@ -45,6 +46,7 @@ PARTS: list[tuple[str, Any, str]] = [
     ("dense attention (sdpa)", attention, "sdpa_attention_forward"),
     ("commit of the chunk", layer.FlexiLayer, "commit"),
     ("  online head split (no profile)", OnlineHeadSplit, "park"),
+    ("  page gains for head budgets", head_budgets, "prompt_page_gains"),
     ("  plan of the chunk", SequenceState, "plan_chunk"),
     ("  append to the pages", storage.LayerStorage, "append_chunk"),
     ("    principal axes", KeyBasis, "principal_axes"),
@@ -106,6 +108,8 @@ def main() -> None:
     parser.add_argument("--online-split", action="store_true",
                         help="no profile: the unstable heads estimated from the prompt over every layer "
                              "(the library's default)")
+    parser.add_argument("--head-budgets", default=FlexiCacheConfig.head_budgets, choices=["uniform", "prompt"],
+                        help="pages per head: K each, or split at the prompt (its page gains are a timed part)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-principal-bounds", action="store_true", help="boxes in the model's axes")
     parser.add_argument("--eigh", action="store_true",
@@ -121,10 +125,10 @@ def main() -> None:
     profile = None if args.online_split else random_profile(Shape.of(config), args.unstable_fraction)
     settings = {"profile": profile, "token_budget": args.budget,
                 "max_cache_len": args.context + 1, "backend": "auto" if device.type == "cuda" else "reference",
-                "principal_bounds": not args.no_principal_bounds}
+                "principal_bounds": not args.no_principal_bounds, "head_budgets": args.head_budgets}
     ids = random_ids(args.batch, args.context, config.vocab_size, device, seed=1)
     print(f"{args.shape}, {args.layers} layers, batch {args.batch} x {args.context} tokens, budget {args.budget}, "
-          f"principal_bounds={settings['principal_bounds']}, "
+          f"principal_bounds={settings['principal_bounds']}, head_budgets={args.head_budgets}, "
           f"{'online head split' if args.online_split else 'random profile'}", flush=True)
     model.set_attn_implementation("sdpa")
     dense = [prefill_seconds(model, ids, DynamicCache(config=config)) for _ in range(args.repeats)]
@@ -147,7 +151,7 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({
             "shape": args.shape, "layers": args.layers, "context": args.context, "batch": args.batch,
-            "budget": args.budget, "principal_bounds": settings["principal_bounds"],
+            "budget": args.budget, "principal_bounds": settings["principal_bounds"], "head_budgets": args.head_budgets,
             "eigendecompositions": "torch.linalg.eigh" if args.eigh else "key_basis.symmetric_eigenvectors",
             "head_split": "online" if args.online_split else f"random, {args.unstable_fraction} unstable",
             "dynamic_cache_s": dense, "flexicache_s": flexi,

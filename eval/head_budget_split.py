@@ -1,5 +1,6 @@
-"""Experiment (not a FlexiCache option): the ceiling of splitting a layer's budget across its KV heads, against the
-same budget for every head, as decode-mode perplexity of SmolLM2 with oracle pages.
+"""Experiment: the ceiling of splitting a layer's budget across its KV heads (FlexiCache's ``head_budgets="prompt"``
+is the split fixed at the prompt), against the same budget for every head, as decode-mode perplexity of SmolLM2
+with oracle pages.
 
 Every row reads every key (oracle pages, :mod:`flexicache.oracle`); a head's mass is that of its GQA group, the same
 total for every head:
@@ -30,6 +31,7 @@ import torch
 from transformers import DynamicCache
 
 from flexicache.evaluation.perplexity import decode_nll, perplexity, stdlib_file
+from flexicache.head_budgets import prompt_page_gains, split_budget
 from flexicache.models import load_model
 from flexicache.oracle import OracleCache, OracleLayer, oracle_token_mask, page_mass
 
@@ -76,27 +78,16 @@ class PooledOracleLayer(OracleLayer):
 
 def prompt_head_pages(query: torch.Tensor, keys: torch.Tensor, page_size: int, pages: int, window: int = WINDOW
                       ) -> torch.Tensor:
-    """``[H]`` pages per head, summing to ``H * pages`` (at least 2, at most the prompt's pages), chosen greedily so
-    that the mean recall of the oracle pages over the prompt's last ``window`` queries (``query [Hq, T, D]`` over
-    ``keys [H, T, D]``, causal), summed over the heads, is largest."""
-    heads, length, head_dim = keys.shape
+    """``[H]`` pages per head, summing to ``H * pages`` (at least 2, at most the prompt's pages), chosen so that the
+    mean recall of the oracle pages over the prompt's last ``window`` queries (``query [Hq, T, D]`` over ``keys [H,
+    T, D]``, causal), summed over the heads, is largest: ``head_budgets="prompt"``'s split
+    (:mod:`flexicache.head_budgets`) with the oracle's bounds."""
+    heads, length, _ = keys.shape
     num_pages = -(-length // page_size)
     if num_pages <= pages:
         return torch.full((heads,), pages)
-    tail = query[:, -window:].float().view(heads, -1, min(window, length), head_dim)  # [H, G, W, D]
-    logits = torch.einsum("hgwd,htd->hgwt", tail, keys.float()) * head_dim ** -0.5
-    positions = torch.arange(length - tail.shape[2], length).view(-1, 1)
-    logits = logits.masked_fill(torch.arange(length).view(1, -1) > positions, float("-inf"))
-    shares = logits.softmax(-1).transpose(1, 2).flatten(0, 1)  # [H * W, G, T]
-    mass = page_mass(shares, page_size).view(heads, -1, num_pages)  # [H, W, P]
-    recall = mass.sort(dim=-1, descending=True).values.cumsum(-1).mean(1)  # [H, P]: recall of the top k+1 pages
-    gains = torch.cat([recall[:, :1], recall.diff(dim=-1)], dim=-1)  # [H, P], non-increasing along P
-    given = torch.full((heads,), 2)
-    for _ in range(heads * pages - int(given.sum())):
-        marginal = gains.gather(1, given.clamp(max=num_pages - 1).view(-1, 1)).view(-1)
-        marginal[given >= num_pages] = -1.0
-        given[marginal.argmax()] += 1
-    return given
+    gains = prompt_page_gains(query[None], keys[None], None, page_size, window)[0]  # [H, P]
+    return split_budget(gains, heads * pages, torch.full((heads,), 2), torch.full((heads,), num_pages))
 
 
 class PromptSplitOracleLayer(OracleLayer):

@@ -14,11 +14,13 @@ models=("${@:-smollm2 levers profiles qwen2.5-coder gemma3}")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 stdlib=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 
-# flexicache eval on the CPU; --exact-rescore false --standby-pages quarter: the folders' own rows choose pages by
-# box scores and keep K // 4 pages on standby (rows with exact_rescore=true and K standby pages, spelled
-# standby_pages=budget/8 at 8-token pages, are the library's defaults)
+# flexicache eval on the CPU; --exact-rescore false --standby-pages quarter --head-budgets uniform: the folders' own
+# rows choose pages by box scores, keep K // 4 pages on standby and give every head K pages (rows with
+# exact_rescore=true, K standby pages, spelled standby_pages=budget/8 at 8-token pages, and head_budgets=prompt are
+# the library's defaults)
 eval_cpu() {
-    python -m flexicache.cli eval --device cpu --no-progress --exact-rescore false --standby-pages quarter "$@"
+    python -m flexicache.cli eval --device cpu --no-progress --exact-rescore false --standby-pages quarter \
+        --head-budgets uniform "$@"
 }
 
 # eval MODEL OUT BUDGET... [SPEC...] -- ARGS: one folder at 16-token pages without standby pages (the paper's page

@@ -6,6 +6,9 @@ written from the DESIGN document, not from the library code, so a test compares 
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+
 import math
 import os
 from dataclasses import dataclass, field
@@ -24,8 +27,9 @@ from transformers import (
 )
 
 import flexicache  # noqa: F401  (registers the "flexicache" attention)
-from flexicache import FlexiCache, HeadProfile
+from flexicache import FlexiCache, HeadProfile, head_budgets
 from flexicache.attention import flexicache_attention_forward
+from flexicache.head_budgets import row_bounds, split_budget
 
 # Tiny tensors: intra-op threads only add hand-off latency (milliseconds per op on a busy 2-core runner).
 torch.set_num_threads(int(os.environ.get("FLEXICACHE_TEST_THREADS", "1")))
@@ -430,7 +434,7 @@ def expected_decode(driver: Driver, cache: FlexiCache, layer_idx: int, reranked:
     """``[B, 1, Hq, D]`` expected decode output of one layer after the last decode step."""
     layer = cache.layers[layer_idx]
     settings = cache.settings
-    page_size, k, reduce = settings.page_size, settings.pages_per_head, settings.group_reduce
+    page_size, reduce = settings.page_size, settings.group_reduce
     query = driver.queries[layer_idx][:, :, 0].double()  # [B, Hq, D]
     batch, num_query_heads, head_dim = query.shape
     group = num_query_heads // driver.num_kv
@@ -440,6 +444,7 @@ def expected_decode(driver: Driver, cache: FlexiCache, layer_idx: int, reranked:
         n = keys.shape[1]
         num_pages, full_pages = cdiv(n, page_size), (n - 1) // page_size
         for head in range(driver.num_kv):
+            k = int(layer.storage.row_pages_host[b * driver.num_kv + head])  # the row's own K (head_budgets)
             q = query[b, head * group:(head + 1) * group]
             axes = torch.eye(head_dim, dtype=torch.float64)
             if layer.storage.basis is not None:  # boxes in the cache's axes (checked in test_key_basis)
@@ -457,7 +462,7 @@ def expected_decode(driver: Driver, cache: FlexiCache, layer_idx: int, reranked:
             if head in layer.unstable_heads:
                 pages = reference_topk(scores, num_pages, k, force_last=True)
                 if settings.exact_rescore and num_pages > k:  # the K of most mass among the top 2K by box score
-                    candidates = reference_topk(scores, num_pages, 2 * k, force_last=True)
+                    candidates = reference_topk(scores, num_pages, 2 * settings.pages_per_head, force_last=True)
                     chosen = reference_topk(exact_mass(candidates), len(candidates), k, force_last=True)
                     pages = [candidates[column] for column in chosen]
             else:
@@ -484,3 +489,29 @@ def expected_decode(driver: Driver, cache: FlexiCache, layer_idx: int, reranked:
             expected[b, head * group:(head + 1) * group] = masked_attention(
                 q, keys[head, tokens], values[head, tokens], head_dim ** -0.5)
     return expected.unsqueeze(1)
+
+
+def skewed_row_pages(gains: torch.Tensor, settings, unstable_heads: list[int], shift: int = 0) -> torch.Tensor:
+    """``head_budgets="prompt"``'s split (:func:`flexicache.head_budgets.prompt_row_pages`) made uneven: head ``h``
+    gains as much as ``(h + shift) % H + 1``, so it takes pages from the heads of lower numbers (a random model splits
+    evenly)."""
+    batch, heads, _ = gains.shape
+    unstable = torch.zeros(heads, dtype=torch.bool)
+    unstable[unstable_heads] = True
+    weight = (torch.arange(heads, dtype=torch.float32) + shift) % heads + 1
+    favour = weight.view(-1, 1) / torch.arange(1, 65).view(1, -1)
+    return split_budget(favour, heads * settings.pages_per_head, *row_bounds(settings, unstable)).repeat(batch, 1)
+
+
+@contextlib.contextmanager
+def skewed_head_budgets():
+    """Caches with ``head_budgets="prompt"`` split their pages by :func:`skewed_row_pages`, shifted by one head at each
+    layer's split (neighbouring layers split differently: each keeps its own plan)."""
+    original = head_budgets.prompt_row_pages
+    calls = itertools.count()
+    head_budgets.prompt_row_pages = lambda gains, settings, unstable_heads: skewed_row_pages(
+        gains, settings, unstable_heads, next(calls))
+    try:
+        yield
+    finally:
+        head_budgets.prompt_row_pages = original

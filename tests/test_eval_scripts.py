@@ -29,7 +29,7 @@ def run_script(name: str, *args: str) -> str:
 
 @pytest.mark.parametrize("name", ["gpu_step_profile.py", "gpu_prefill_profile.py", "gpu_prefill_breakdown.py",
                                   "gpu_eigh_overlap.py", "gpu_kernel_sweep.py", "gpu_repeatability.py",
-                                  "gpu_end_to_end.py", "gpu_model_step_profile.py"])
+                                  "gpu_end_to_end.py", "gpu_model_step_profile.py", "gpu_head_budgets.py"])
 def test_gpu_profiling_scripts_parse_their_arguments(name: str) -> None:
     assert "usage:" in run_script(name, "--help")
 
@@ -114,16 +114,30 @@ def test_end_to_end_runs_every_system_on_the_cpu() -> None:
     assert all(any(line.startswith(name) and " p50 " in line for line in out.splitlines()) for name in systems), out
 
 
+def test_head_budgets_timing_runs_both_caches_on_the_cpu(tmp_path: Path) -> None:
+    """The smoke test of eval/gpu_head_budgets.py: both caches decode, and every layer's drawn split keeps its
+    layer's pages within the option's bounds."""
+    out = tmp_path / "r.json"
+    run_script("gpu_head_budgets.py", "--device", "cpu", "--shape", "tiny-llama", "--context", "512", "--batch", "2",
+               "--budget", "64", "--steps", "3", "--warmup", "2", "--rounds", "1", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert set(result["rows"]) == {"uniform", "prompt"} and result["ratio_p50"] > 0
+    shares = torch.tensor(result["shares"])  # [layers, heads] shares of K = 8
+    assert shares.shape == (4, 4) and torch.allclose(shares.sum(dim=1), torch.full((4,), 4.0))
+    assert bool((shares >= 0.25).all() and (shares <= 2).all()) and bool((shares != 1).any())
+
+
 @pytest.mark.parametrize("online", [False, True])
 def test_prefill_breakdown_runs_on_the_cpu(online: bool) -> None:
     """The smoke test of eval/gpu_prefill_breakdown.py: every part it wraps exists and is reached by a prefill."""
     out = run_script("gpu_prefill_breakdown.py", "--device", "cpu", "--shape", "tiny-llama", "--layers", "2",
                      "--context", "256", "--batch", "2", "--budget", "64", "--repeats", "1",
-                     *(["--online-split"] if online else []))
+                     *(["--online-split", "--head-budgets", "prompt"] if online else ["--head-budgets", "uniform"]))
     calls = {line[:42].strip(): int(line.split()[-2]) for line in out.splitlines() if line.endswith(" calls")}
     layers = 2
     expected = {"principal axes": layers, "page metadata (min/max)": layers, "commit of the chunk": layers,
-                "dense attention (sdpa)": layers, "online head split (no profile)": layers if online else 0}
+                "dense attention (sdpa)": layers, "online head split (no profile)": layers if online else 0,
+                "page gains for head budgets": layers if online else 0}
     if not online:  # a random profile with both head classes in every layer (the online split may choose one)
         expected.update({"stable heads' host tier + tails": layers, "unstable heads' pages": layers})
     assert all(calls[name] == count for name, count in expected.items()), calls

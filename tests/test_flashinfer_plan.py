@@ -92,3 +92,32 @@ def test_a_backend_made_in_inference_mode_plans_in_every_mode(monkeypatch: pytes
             assert again is planned and torch.equal(planned.last_page_len, layout.row_last_page_len_host)
             prepare(backend, [20 + 16 * step, 70])  # other page counts: plan() writes the buffers
     assert len(planned.wrapper.plans) == 5
+
+
+class Owner:
+    """A layer storage's stand-in: what a split's plan belongs to (``head_budgets="prompt"``)."""
+
+
+def test_each_split_keeps_its_own_plan_and_a_step_copies_its_last_pages_once(backend: FlashInferBackend,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two layers with their own splits of the pages: a wrapper and a plan each (a captured decode replays its own),
+    one buffer of last-page lengths (the same in every layer) copied once per step; a dropped owner's wrapper goes
+    (by reference counting)."""
+    import weakref
+
+    copies: list[int] = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: copies.append(1) or self)
+    owners = [Owner(), Owner()]
+    limits = [torch.tensor([4, 2, 3, 3]), torch.tensor([2, 4, 4, 2])]  # [B * H] each request's split
+    for tokens in ([100, 70], [101, 71], [102, 72]):
+        layouts = [build_decode_layout(torch.tensor(tokens), 2, 4, 16, limit) for limit in limits]
+        planned = [backend.prepare(layout, 4, 64, 16, 4, torch.bfloat16, 0.1, owner=owner)
+                   for layout, owner in zip(layouts, owners, strict=True)]
+        assert all(torch.equal(p.last_page_len, layouts[0].row_last_page_len_host) for p in planned)
+    assert planned[0] is not planned[1] and planned[0].last_page_len is planned[1].last_page_len
+    assert [len(p.wrapper.plans) for p in planned] == [1, 1]  # the later steps refresh the lengths only
+    assert [plan.tolist() for plan in planned[1].wrapper.plans] == [[0, 2, 6, 10, 12]]
+    assert copies == [1, 1]  # one copy per refreshing step, whatever the number of splits
+    dropped = weakref.ref(planned[0])
+    del planned, owners[0]
+    assert dropped() is None

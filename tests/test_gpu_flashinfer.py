@@ -17,6 +17,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
+from conftest import skewed_head_budgets
 from transfer_checks import (
     assert_same_transfer_outcome,
     assert_selected_slots_hold_their_pages,
@@ -207,8 +208,9 @@ def listed_pages(table: tuple[torch.Tensor, torch.Tensor]) -> list[list[tuple[in
             for row_slots, row_lens in zip(slots, lens)]
 
 
+@pytest.mark.parametrize("head_budgets", ["uniform", "prompt"])
 @pytest.mark.parametrize("standby_pages", [0, 5])
-def test_fused_decode_table_matches_torch_table(standby_pages: int) -> None:
+def test_fused_decode_table_matches_torch_table(standby_pages: int, head_budgets: str) -> None:
     pytest.importorskip("triton")
     model = tiny_model(4)
     profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim,
@@ -218,9 +220,10 @@ def test_fused_decode_table_matches_torch_table(standby_pages: int) -> None:
     mask[1, :123] = 0
     mask[2, :680] = 0  # 20 real tokens: fewer pages than the budget
     cache = FlexiCache.from_model(model, profile=profile, token_budget=128, backend="reference",
-                                  standby_pages=standby_pages)
-    with torch.inference_mode():
+                                  standby_pages=standby_pages, head_budgets=head_budgets)
+    with torch.inference_mode(), skewed_head_budgets():
         model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=37, do_sample=False)
+        assert head_budgets == "uniform" or any(layer.storage.row_pages_key for layer in cache.layers)
         for reduce in ("max", "sum"):
             object.__setattr__(cache.settings, "group_reduce", reduce)
             query = torch.randn(3, model.config.num_attention_heads, 1, model.config.head_dim, device="cuda",
@@ -346,12 +349,12 @@ def test_rerank_and_tail_retirement_kernels_match_torch_at_scale(max_promotions:
 
 
 @pytest.mark.parametrize("settings", [{}, {"page_size": 8, "rerank_interval": 1, "max_promotions": 2},
-                                      {"page_size": 8, "standby_pages": 5}],
-                         ids=["defaults", "limited-promotions", "standby-pages"])
+                                      {"page_size": 8, "standby_pages": 5}, {"head_budgets": "prompt"}],
+                         ids=["defaults", "limited-promotions", "standby-pages", "head-budgets"])
 def test_whole_step_graphs_match_eager_generation(settings: dict) -> None:
     """generate() with whole-step CUDA graphs (from_model's default) gives the tokens and logits of the same cache
     run layer by layer, through a padded batch, reranks at every phase, promotions, retirements and growth; most
-    steps replay."""
+    steps replay. With a split of the pages per layer (head_budgets) each layer replays its own plan."""
     model = tiny_model(4)
     profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim,
                           unstable_heads=[(0, 0), (2, 1), (3, 0)])
@@ -363,10 +366,11 @@ def test_whole_step_graphs_match_eager_generation(settings: dict) -> None:
         cache = FlexiCache.from_model(model, profile=profile, token_budget=128, backend="flashinfer", **settings)
         if not step_graphs:
             disable_step_graphs(model)
-        with torch.inference_mode():
+        with torch.inference_mode(), skewed_head_budgets():
             out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=120,
                                  do_sample=False, output_logits=True, return_dict_in_generate=True)
         assert_selected_slots_hold_their_pages(cache)
+        assert "head_budgets" not in settings or all(layer.storage.row_pages_key for layer in cache.layers)
         runs[step_graphs] = out, cache.stats()
     (eager, eager_stats), (graphed, graphed_stats) = runs[False], runs[True]
     assert torch.equal(graphed.sequences, eager.sequences)
@@ -620,10 +624,13 @@ def path_cache(model, path: str, **settings) -> FlexiCache:
     return cache
 
 
+@pytest.mark.parametrize("head_budgets", ["uniform", "prompt"])
 @pytest.mark.parametrize("path", list(FREEING_PATHS))
-def test_a_dropped_cache_gives_its_host_tier_and_device_memory_back(path: str, registered_host_bytes) -> None:
+def test_a_dropped_cache_gives_its_host_tier_and_device_memory_back(path: str, head_budgets: str,
+                                                                     registered_host_bytes) -> None:
     """With the cycle collector off, a cache nobody refers to is freed at once, on every CUDA path: its pinned host
-    tier unregistered, the device memory of its pages, metadata and graphs back with the allocator."""
+    tier unregistered, the device memory of its pages, metadata and graphs back with the allocator (with a split of
+    the pages per layer, head_budgets, its layers' own FlashInfer plans too)."""
     import gc
 
     model = tiny_model(4)
@@ -631,11 +638,16 @@ def test_a_dropped_cache_gives_its_host_tier_and_device_memory_back(path: str, r
     ids = torch.randint(0, 512, (8, 3000), device="cuda")
     gc.collect()
     gc.disable()
+
+    def make() -> FlexiCache:
+        return path_cache(model, path, profile=profile, token_budget=128, head_budgets=head_budgets)
+
     try:
-        generate_and_drop(model, lambda: path_cache(model, path, profile=profile, token_budget=128), ids)  # warm-up
-        baseline = torch.cuda.memory_allocated()
-        assert registered_host_bytes == {}
-        stats = generate_and_drop(model, lambda: path_cache(model, path, profile=profile, token_budget=128), ids)
+        with skewed_head_budgets():
+            generate_and_drop(model, make, ids)  # warm-up
+            baseline = torch.cuda.memory_allocated()
+            assert registered_host_bytes == {}
+            stats = generate_and_drop(model, make, ids)
         assert registered_host_bytes == {}, "a dropped cache's host tier is still page-locked"
         assert abs(torch.cuda.memory_allocated() - baseline) <= 2**20, (torch.cuda.memory_allocated(), baseline)
     finally:

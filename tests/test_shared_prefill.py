@@ -50,6 +50,8 @@ def cache_factories(config, model) -> dict:
                                                            rerank_interval=2, group_reduce="sum"),
         "flexicache@512": lambda: FlexiCache.from_model(model, profile=profile, token_budget=512, page_size=8),
         "flexicache@16,default": lambda: FlexiCache.from_model(model, token_budget=16, page_size=4),
+        "flexicache@16,head_budgets": lambda: FlexiCache.from_model(model, profile=profile, token_budget=16,
+                                                                    page_size=4, head_budgets="prompt"),
         "oracle@16": lambda: OracleCache(config, token_budget=16, page_size=4),
         "dense": lambda: DynamicCache(config=config),
     }
@@ -82,6 +84,8 @@ def test_a_filled_cache_decodes_as_after_its_own_prefill(batch):
             assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), name
             if isinstance(own, FlexiCache):
                 assert filled.stats() == own.stats(), name
+                assert all(torch.equal(a.storage.row_pages_host, b.storage.row_pages_host)
+                           for a, b in zip(filled.layers, own.layers, strict=True)), name
                 assert own.stats()["reranks_stable"] > 0 and own.stats()["decode_steps"] == 20
         assert all(torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
                    for layer, (keys, values) in zip(prefill.snapshot.layers, snapshot, strict=True))

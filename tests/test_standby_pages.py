@@ -77,8 +77,9 @@ def test_each_step_attends_to_the_working_sets_best_pages_and_copies_nothing_bet
     listings: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
     decode_pages = OffloadedPages.decode_pages
 
-    def recording(self: OffloadedPages, last_page_len: torch.Tensor, scores: torch.Tensor | None = None):
-        slots, lengths = decode_pages(self, last_page_len, scores)
+    def recording(self: OffloadedPages, last_page_len: torch.Tensor, scores: torch.Tensor | None = None,
+                  row_pages: torch.Tensor | None = None):
+        slots, lengths = decode_pages(self, last_page_len, scores, row_pages)
         listings.append((self.selected.clone(), scores.clone(), slots - self.base, int(self.counters.promoted_pages)))
         return slots, lengths
 

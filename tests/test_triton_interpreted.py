@@ -12,6 +12,7 @@ import itertools
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
+
+from conftest import skewed_head_budgets
 
 from flexicache.backends.flashinfer import FlashInferBackend
 from flexicache.backends.triton_select import _order_key, _top_keys
@@ -110,21 +113,27 @@ def check_table() -> None:
     budget, stable rows (attending to all their working set, or with standby pages to its best), max and sum over the
     GQA group, Quest's bound and a down-weighted spread, random and all-zero queries (ties everywhere); pages chosen
     by their boxes or (``exact_rescore``) by their keys' attention mass, with box axes rotated or not (the exact
-    scores read the stored keys)."""
+    scores read the stored keys); every row its own number of pages (``head_budgets="prompt"``)."""
     from flexicache import FlexiCache, HeadProfile
     from flexicache.decode_paths import FusedDecode, TorchDecode
 
     model = tiny_model()
-    for unstable, principal, standby, exact in (
-            ([(0, 0), (1, 1)], False, 0, False), ([(0, 0), (0, 1)], False, 0, False), ([], False, 0, False),
-            ([(0, 0), (1, 1)], True, 0, False), ([(1, 1)], True, 3, False), ([(0, 0), (1, 1)], False, 0, True),
-            ([(1, 1)], False, 3, True), ([], False, 2, True), ([(0, 0)], True, 3, True)):
+    for unstable, principal, standby, exact, budgets in (
+            ([(0, 0), (1, 1)], False, 0, False, "uniform"), ([(0, 0), (0, 1)], False, 0, False, "uniform"),
+            ([], False, 0, False, "uniform"), ([(0, 0), (1, 1)], True, 0, False, "uniform"),
+            ([(1, 1)], True, 3, False, "uniform"), ([(0, 0), (1, 1)], False, 0, True, "uniform"),
+            ([(1, 1)], False, 3, True, "uniform"), ([], False, 2, True, "uniform"),
+            ([(0, 0)], True, 3, True, "uniform"), ([(0, 0), (0, 1)], False, 0, True, "prompt"),
+            ([(1, 1)], False, 8, True, "prompt"), ([(0, 0)], True, 8, False, "prompt"),
+            ([(0, 0), (1, 0), (1, 1)], False, 0, False, "prompt")):
         profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=unstable)
         ids, mask = padded_batch()
         cache = FlexiCache.from_model(model, profile=profile, token_budget=64, principal_bounds=principal,
-                                      standby_pages=standby, exact_rescore=exact)
-        with torch.inference_mode():
+                                      standby_pages=standby, exact_rescore=exact, head_budgets=budgets)
+        with torch.inference_mode(), skewed_head_budgets():
             model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=21, do_sample=False)
+        assert budgets == "uniform" or any(layer.storage.row_pages_key for layer in cache.layers)
+        with torch.inference_mode():
             for reduce, spread in itertools.product(("max", "sum"), (1.0, 0.5)):
                 object.__setattr__(cache.settings, "group_reduce", reduce)
                 object.__setattr__(cache.settings, "spread_weight", spread)
@@ -303,11 +312,14 @@ class FlashInferStandIn:
     def __init__(self, launches: list) -> None:
         self.launches = launches
         self.buffers: dict[tuple[int, int], PlannedBuffers] = {}
+        self.owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a split's own, per storage
         self.scale = 1.0
 
-    def prepare(self, layout, group, head_dim, page_size, pages_per_head, dtype, scale) -> PlannedBuffers:
+    def prepare(self, layout, group, head_dim, page_size, pages_per_head, dtype, scale, owner=None
+                ) -> PlannedBuffers:
         rows = layout.row_last_page_len_host.numel()
-        planned = self.buffers.setdefault((rows, pages_per_head), PlannedBuffers(rows, pages_per_head))
+        buffers = self.buffers if owner is None else self.owned.setdefault(owner, {})
+        planned = buffers.setdefault((rows, pages_per_head), PlannedBuffers(rows, pages_per_head))
         planned.indptr.copy_(layout.row_indptr_host)
         planned.last_page_len.copy_(layout.row_last_page_len_host)
         self.scale = scale
@@ -615,18 +627,28 @@ def check_step() -> None:
                                               max_cache_len=ids.shape[1] + 24, principal_bounds=True,
                                               standby_pages=3)
                 loop = greedy_generate(model, ids[0].tolist(), alone, max_new_tokens=24, stop_ids=set())
-            tokens[mode], stats[mode] = (first, second, torch.tensor(loop)), flexi.stats()
+                # Each layer with its own split of the pages (head_budgets): its own plan inside the step graphs.
+                split = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4,
+                                              head_budgets="prompt")
+                with skewed_head_budgets():
+                    split_tokens = model.generate(ids, attention_mask=mask, past_key_values=split,
+                                                  max_new_tokens=24, do_sample=False)
+                assert all(layer.storage.row_pages_key for layer in split.layers)
+            tokens[mode], stats[mode] = (first, second, torch.tensor(loop), split_tokens), flexi.stats()
             stats[mode]["grew"], stats[mode]["finished"] = grew, finished
             stats[mode]["loop_replays"] = alone.stats()["step_graph_replays"]
+            stats[mode]["split_replays"] = split.stats()["step_graph_replays"]
     graphed = stats["step graphs"]
     assert not problems, problems[:1]
     assert graphed["grew"], "no buffer grew while steps replayed: growth and re-recording went untested"
     assert graphed["step_graph_replays"] >= 30 and 4 <= graphed["step_graph_captures"] <= 30, graphed
     assert graphed["promoted_pages"] > 0 and graphed["reranks_stable"] == stats["reference"]["reranks_stable"]
     assert graphed["decode_steps"] == stats["reference"]["decode_steps"] and graphed["loop_replays"] >= 15
+    assert graphed["split_replays"] >= 15
     # Most replays split their host work around the replay, also at steps that open pages (reservations first).
     assert len(graphed["finished"]) >= 20 and any(graphed["finished"]), graphed["finished"]
-    assert all(torch.equal(a, b) for a, b in zip(tokens["step graphs"], tokens["reference"]))
+    assert all(torch.equal(a, b) for a, b in zip(tokens["step graphs"], tokens["reference"])), [
+        torch.equal(a, b) for a, b in zip(tokens["step graphs"], tokens["reference"])]
 
 
 def flashinfer_on_cpu() -> None:

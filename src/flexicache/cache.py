@@ -65,7 +65,8 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
             all) estimated from the prompt at the first prefill (:mod:`flexicache.head_split`); ``"default"``:
             :meth:`HeadProfile.default`.
         token_budget, page_size, rerank_interval, rerank_warmup, max_promotions, standby_pages, group_reduce,
-            spread_weight, principal_bounds, exact_rescore, backend, cuda_graphs, max_cache_len, host_dtype: see
+            spread_weight, principal_bounds, exact_rescore, head_budgets, backend, cuda_graphs, max_cache_len,
+            host_dtype: see
             :class:`FlexiCacheConfig`.
     """
 
@@ -73,15 +74,15 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
                  page_size: int = 8, rerank_interval: int = 16, rerank_warmup: int = 0,
                  max_promotions: int | None = None, standby_pages: int | str = "auto", group_reduce: str = "max",
                  spread_weight: float = 0.5, principal_bounds: bool = True, exact_rescore: bool = True,
-                 backend: str = "auto", cuda_graphs: bool = True, max_cache_len: int | None = None,
-                 host_dtype: str = "auto") -> None:
+                 head_budgets: str = "prompt", backend: str = "auto", cuda_graphs: bool = True,
+                 max_cache_len: int | None = None, host_dtype: str = "auto") -> None:
         self.settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size,
                                          rerank_interval=rerank_interval, rerank_warmup=rerank_warmup,
                                          max_promotions=max_promotions, standby_pages=standby_pages,
                                          group_reduce=group_reduce, spread_weight=spread_weight,
                                          principal_bounds=principal_bounds, exact_rescore=exact_rescore,
-                                         backend=backend, cuda_graphs=cuda_graphs, max_cache_len=max_cache_len,
-                                         host_dtype=host_dtype)
+                                         head_budgets=head_budgets, backend=backend, cuda_graphs=cuda_graphs,
+                                         max_cache_len=max_cache_len, host_dtype=host_dtype)
         check_supported_model(config)
         if backend == "flashinfer":
             from flexicache.backends.flashinfer import flashinfer_available

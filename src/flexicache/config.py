@@ -11,6 +11,7 @@ import torch
 BackendName = Literal["auto", "reference", "flashinfer"]
 HostDtypeName = Literal["auto", "float8_e4m3fn"]
 StandbyName = Literal["auto", "quarter"]
+HeadBudgetsName = Literal["uniform", "prompt"]
 STANDBY_NAMES: tuple[str, ...] = get_args(StandbyName)  # standby_pages spelled as a share of K
 MAX_WORKING_SET_SLOTS = 4096  # K + C: device slots per stable head (the fused rerank holds them in registers)
 
@@ -55,6 +56,13 @@ class FlexiCacheConfig:
             keys at every step (in the fused kernels on CUDA, :mod:`flexicache.backends.triton_exact`: 1.07x the
             decode step of ``False`` with ``standby_pages="quarter"``, 1.12x with the default's K standby pages,
             BENCHMARKS.md). ``False``: the pages of the best box scores (Quest's way).
+        head_budgets: how many pages each KV head attends to. ``"prompt"`` (the default): each request's ``H * K``
+            pages of a layer split across its KV heads once, from the attention of the first prompt chunk's last
+            queries (:mod:`flexicache.head_budgets`: a head of spread attention takes pages from one whose attention
+            sits on a few; each head between 2 pages and the candidates it chooses from, ``2K`` or ``K + C``), fixed
+            for the decode: the same pages and bytes in all, closer to dense (SmolLM2 perplexity 1.021 and 1.026 of
+            dense at 1/8 against 1.024 and 1.033, eval/RESULTS.md) for 1.01x the GPU decode step; a layer with one KV
+            head keeps ``K``. ``"uniform"``: ``K`` pages for every head (the paper's).
         backend: decode kernel: ``"auto"`` (FlashInfer on CUDA when installed, else the torch reference),
             ``"reference"`` or ``"flashinfer"``.
         cuda_graphs: on the CUDA + FlashInfer path, capture each layer's decode step (token append, scoring,
@@ -84,6 +92,7 @@ class FlexiCacheConfig:
     spread_weight: float = 0.5
     principal_bounds: bool = True
     exact_rescore: bool = True
+    head_budgets: HeadBudgetsName = "prompt"
     backend: BackendName = "auto"
     cuda_graphs: bool = True
     max_cache_len: int | None = None
@@ -135,6 +144,9 @@ class FlexiCacheConfig:
             raise ValueError(f"principal_bounds must be True or False, got {self.principal_bounds!r}.")
         if not isinstance(self.exact_rescore, bool):
             raise ValueError(f"exact_rescore must be True or False, got {self.exact_rescore!r}.")
+        if not isinstance(self.head_budgets, str) or self.head_budgets not in get_args(HeadBudgetsName):
+            raise ValueError(f"head_budgets must be 'uniform' (K pages per head) or 'prompt' (split across each "
+                             f"layer's heads at the prompt), got {self.head_budgets!r}.")
         if not isinstance(self.backend, str) or self.backend not in ("auto", "reference", "flashinfer"):
             raise ValueError(f"backend must be 'auto', 'reference' or 'flashinfer', got {self.backend!r}.")
         if not isinstance(self.cuda_graphs, bool):

@@ -127,21 +127,26 @@ class TorchDecode:
         self.write_token(keys, values, plan)
         storage = self.storage
         slots, page_lens = self.table(rows_query, plan, scale)
-        layout = plan.decode_layout(storage.num_kv_heads, self.settings.pages_per_head)
+        layout = plan.decode_layout(storage.num_kv_heads, self.settings.pages_per_head, storage.row_pages_key)
         return self.backend.paged_decode(rows_query, storage.pool.k, storage.pool.v, slots, page_lens, scale, layout)
 
     def table(self, rows_query: torch.Tensor, plan: AppendPlan, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, page_lens)``, ``[B * H, K]``: every row's listed pages (the backend interface's table) for
-        ``rows_query [B * H, G, D]`` and the attention's softmax ``scale`` (used by ``exact_rescore``)."""
-        storage, k = self.storage, self.settings.pages_per_head
+        ``rows_query [B * H, G, D]`` and the attention's softmax ``scale`` (used by ``exact_rescore``); with
+        ``head_budgets="prompt"`` as wide as the largest row's ``K``, a row's entries beyond its own empty."""
+        storage = self.storage
         batch_size, num_kv_heads = storage.batch_size, storage.num_kv_heads
         last_page_len = (plan.after - 1) % self.settings.page_size + 1
-        slots = torch.full((batch_size, num_kv_heads, k), -1, dtype=torch.long, device=storage.device)
+        row_pages = storage.row_pages.view(batch_size, num_kv_heads)
+        slots = torch.full((batch_size, num_kv_heads, storage.table_width), -1, dtype=torch.long,
+                           device=storage.device)
         page_lens = torch.zeros_like(slots)
         grouped = rows_query.view(batch_size, num_kv_heads, -1, rows_query.shape[-1])
         if storage.resident is not None:
             unstable_query = grouped[:, storage.unstable_index].flatten(0, 1)
-            resident_slots, resident_lens = self._resident_selection(unstable_query, plan, last_page_len, scale)
+            unstable_pages = row_pages[:, storage.unstable_index].flatten()
+            resident_slots, resident_lens = self._resident_selection(unstable_query, plan, last_page_len, scale,
+                                                                     unstable_pages)
             width = resident_slots.shape[1]
             slots[:, storage.unstable_index, :width] = resident_slots.view(batch_size, -1, width)
             page_lens[:, storage.unstable_index, :width] = resident_lens.view(batch_size, -1, width)
@@ -156,33 +161,39 @@ class TorchDecode:
                     kmin, kmax = storage.meta.listed_rows(storage.stable_index, storage.offloaded.selected)
                     scores = quest_page_scores(storage.bound_rows(stable_query, storage.stable_index), kmin, kmax,
                                                self.settings.group_reduce, self.settings.spread_weight)
+            stable_pages = None if storage.row_pages_key is None else row_pages[:, storage.stable_index].flatten()
             stable_slots, stable_lens = storage.offloaded.decode_pages(
-                per_row(last_page_len, len(storage.stable_heads)), scores)
-            slots[:, storage.stable_index] = stable_slots.view(batch_size, -1, k)
-            page_lens[:, storage.stable_index] = stable_lens.view(batch_size, -1, k)
+                per_row(last_page_len, len(storage.stable_heads)), scores, stable_pages)
+            width = min(stable_slots.shape[1], slots.shape[2])
+            slots[:, storage.stable_index, :width] = stable_slots[:, :width].view(batch_size, -1, width)
+            page_lens[:, storage.stable_index, :width] = stable_lens[:, :width].view(batch_size, -1, width)
         return slots.flatten(0, 1), page_lens.flatten(0, 1)
 
-    def _resident_selection(self, query: torch.Tensor, plan: AppendPlan, last_page_len: torch.Tensor, scale: float
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-K pages (sink and tail forced) of every unstable row: ``(slots, page_lens)``, ``[B * hu, k]``; with
-        ``exact_rescore`` the K of most attention mass among the top ``2K`` by box score."""
+    def _resident_selection(self, query: torch.Tensor, plan: AppendPlan, last_page_len: torch.Tensor, scale: float,
+                            row_pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-``k`` pages (sink and tail forced) of every unstable row, ``k`` its ``row_pages [B * hu]``: ``(slots,
+        page_lens)``, ``[B * hu, max k]``; with ``exact_rescore`` the ``k`` of most attention mass among the top
+        ``2K`` by box score."""
         storage, settings = self.storage, self.settings
         page_size, num_heads, k = settings.page_size, len(storage.unstable_heads), settings.pages_per_head
         num_pages = per_row((plan.after + page_size - 1) // page_size, num_heads)
         width = plan.max_pages_after
-        if width <= k:  # every page fits in the budget: no scoring needed
+        uniform = storage.row_pages_key is None
+        row_k = k if uniform else row_pages
+        fits = width <= storage.fewest_pages
+        if fits:  # every page fits in every row's budget: no scoring needed
             pages = torch.arange(width, device=query.device).expand(query.shape[0], width)
             pages = pages.masked_fill(pages >= num_pages.unsqueeze(1), -1)
         else:
             kmin, kmax = storage.meta.rows(storage.unstable_index, width)
             scores = quest_page_scores(storage.bound_rows(query, storage.unstable_index), kmin, kmax,
                                        settings.group_reduce, settings.spread_weight)
-            pages, _ = select_pages(scores, num_pages, 2 * k if settings.exact_rescore else k, force_last=True)
+            pages, _ = select_pages(scores, num_pages, 2 * k if settings.exact_rescore else row_k, force_last=True)
         slots, lens = storage.resident.page_slots(pages), self._page_lens(pages, num_pages, last_page_len)
-        if width <= k or not settings.exact_rescore:
+        if fits or not settings.exact_rescore:
             return slots, lens
         exact = exact_page_scores(query, storage.pool.k[slots], lens, scale)
-        columns = select_candidates(pages, exact, k)
+        columns = select_candidates(pages, exact, row_k)
         listed = columns >= 0
         columns = columns.clamp(min=0)
         return slots.gather(1, columns).masked_fill(~listed, -1), lens.gather(1, columns).masked_fill(~listed, 0)
@@ -229,7 +240,7 @@ class FusedDecode(TorchDecode):
         from flexicache.backends.triton_select import decode_table, exact_scratch, scores_buffer, working_scores_buffer
 
         inputs = self.table_inputs(self.storage.bound_rows(rows_query).contiguous(), plan.after)
-        slots = torch.empty(rows_query.shape[0], self.settings.pages_per_head, dtype=torch.long,
+        slots = torch.empty(rows_query.shape[0], self.storage.table_width, dtype=torch.long,
                             device=self.storage.device)
         page_lens = torch.empty_like(slots)
         if self.settings.exact_rescore:
@@ -253,7 +264,7 @@ class FusedDecode(TorchDecode):
             offloaded.selected if offloaded else None, offloaded.selected_scores if offloaded else None, num_tokens,
             storage.unstable_index, storage.stable_index,
             offloaded.base if offloaded else 0, settings.pages_per_head, settings.page_size, settings.group_reduce,
-            settings.spread_weight,
+            settings.spread_weight, storage.row_pages, storage.table_width, storage.fewest_pages,
         )
 
 
@@ -297,9 +308,10 @@ class GraphedDecode(FusedDecode):
         """The step's inputs on the device, shared by the layers of a device (the first layer's call makes them):
         the backend's plan and the :class:`StepInputs`."""
         storage, settings = self.storage, self.settings
-        layout = plan.decode_layout(storage.num_kv_heads, settings.pages_per_head)
+        layout = plan.decode_layout(storage.num_kv_heads, settings.pages_per_head, storage.row_pages_key)
         planned = self.backend.prepare(layout, self.graph.query.shape[1], storage.head_dim, settings.page_size,
-                                       settings.pages_per_head, storage.dtype, self.scale)
+                                       storage.table_width, storage.dtype, self.scale,
+                                       owner=None if storage.row_pages_key is None else storage)
         if storage.device not in self.step_inputs:
             self.step_inputs[storage.device] = StepInputs(storage.batch_size, storage.device)
         return planned, self.step_inputs[storage.device].load(plan)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from flexicache import decode_paths, handoff
+from flexicache import decode_paths, handoff, head_budgets
 from flexicache.attention import on_device
 from flexicache.backends import DecodeBackend, layer_backend
 from flexicache.config import FlexiCacheConfig
@@ -71,6 +71,7 @@ class FlexiLayer(CacheLayerMixin):
         self.path: DecodePath | None = None
         self.graphed: GraphedDecode | None = None  # the path, when it is the CUDA-graph one
         self.unstable_reranks = 0  # rows of unstable heads reranked (one per row and decode step)
+        self.prompt_gains: torch.Tensor | None = None  # head_budgets="prompt": the first chunk's, until it is stored
 
     @property
     def awaits_head_split(self) -> bool:
@@ -174,6 +175,9 @@ class FlexiLayer(CacheLayerMixin):
             query: ``[B, Hq, T, D]`` queries of the chunk (the last one seeds the stable heads' selection).
             real_tokens: ``[B, T]`` bool or ``None`` (all real).
         """
+        if self.settings.head_budgets == "prompt" and self.num_chunks == 0 and chunk.keys.shape[2] > 1:
+            self.prompt_gains = head_budgets.prompt_page_gains(_detached(query), chunk.keys, real_tokens,
+                                                               self.settings.page_size)
         if self.is_initialized:
             self._store(chunk, query, real_tokens)
             return
@@ -197,6 +201,10 @@ class FlexiLayer(CacheLayerMixin):
     def _store(self, chunk: handoff.StagedChunk, query: torch.Tensor, real_tokens: torch.Tensor | None) -> None:
         """:meth:`commit` into this layer's storage; ``query [B, Hq, T', D]`` (only the last position is read)."""
         keys, values = chunk.keys, chunk.values
+        if self.prompt_gains is not None:  # the first chunk: split each request's pages across its heads
+            self.storage.use_row_pages(head_budgets.prompt_row_pages(self.prompt_gains, self.settings,
+                                                                     self.unstable_heads))
+            self.prompt_gains = None
         plan = self.sequence.plan_chunk(self.num_chunks, real_tokens, keys.shape[0], keys.shape[2], self.device)
         offloaded = self.storage.offloaded
         try:
@@ -315,6 +323,11 @@ class FlexiLayer(CacheLayerMixin):
 
     def prepare_device_step(self, plan: AppendPlan) -> bool:
         return self.graphed.prepare_device_step(plan)
+
+    @property
+    def plans_own_step(self) -> bool:
+        """Whether this layer's decode reads a FlashInfer plan of its own (its split of the pages, head_budgets)."""
+        return self.storage.row_pages_key is not None
 
     def finish_graphed_step(self, plan: AppendPlan) -> None:
         """The host bookkeeping of a graphed step that no device work reads (counters, rerank phase, the stored

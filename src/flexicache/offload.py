@@ -480,8 +480,8 @@ class OffloadedPages:
         columns = torch.arange(self.slots_per_row, device=device)
         return self.base + torch.arange(self.num_rows, device=device).view(-1, 1) * self.slots_per_row + columns
 
-    def decode_pages(self, last_page_len: torch.Tensor, scores: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_pages(self, last_page_len: torch.Tensor, scores: torch.Tensor | None = None,
+                     row_pages: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, page_lens)``, both ``[B * h, K]``: the working-set slots a row attends to, then its tail slot
         (the last listed). Device work only. (``scores=None`` only without standby pages, where ``K + C = K``.)
 
@@ -490,6 +490,8 @@ class OffloadedPages:
             scores: ``[B * h, K - 1 + C]`` this step's score of each working-set slot's page, with standby pages
                 (:func:`~flexicache.selection.attended_slots` picks the ``K - 1`` attended ones, and the scores
                 replace ``selected_scores``); ``None`` without: every held slot is attended.
+            row_pages: ``[B * h]`` each row's own ``K`` (``head_budgets="prompt"``, at most ``K + C``; with
+                ``scores``): the outputs are then ``[B * h, K + C]``, a row's entries beyond its own empty.
         """
         slots = self._row_slots()
         held = self.selected >= 0
@@ -497,10 +499,11 @@ class OffloadedPages:
             return slots, torch.cat([held.long() * self.page_size, last_page_len.view(-1, 1).long()], dim=1)
         self.selected_scores.copy_(scores.nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
                                    .masked_fill(self.selected == 0, float("inf")).masked_fill(~held, float("-inf")))
-        attended = attended_slots(scores, self.selected, self.pages_per_head - 1)
+        count = self.pages_per_head if row_pages is None else row_pages
+        attended = attended_slots(scores, self.selected, count - 1)
         # The attended slots first (in slot order), then the tail, then unused entries (length 0).
         listed = torch.cat([attended, torch.ones_like(attended[:, :1])], dim=1)
-        order = (~listed).long().argsort(dim=1, stable=True)[:, :self.pages_per_head]
+        order = (~listed).long().argsort(dim=1, stable=True)[:, :self.pages_per_head if row_pages is None else None]
         lengths = torch.cat([torch.full_like(slots[:, :-1], self.page_size), last_page_len.view(-1, 1).long()], 1)
         return slots.gather(1, order), (lengths * listed).gather(1, order)
 

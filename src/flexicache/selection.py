@@ -71,7 +71,7 @@ def spread_weights(spread_weight: float) -> tuple[float, float]:
 
 
 def select_pages(
-    scores: torch.Tensor, num_pages: torch.Tensor, k: int, force_last: bool = True
+    scores: torch.Tensor, num_pages: torch.Tensor, k: int | torch.Tensor, force_last: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` pages of every row, with the first page (sink) and optionally the last page (tail) forced in.
 
@@ -80,7 +80,8 @@ def select_pages(
     Args:
         scores: ``[R, P]`` page scores; columns at or beyond a row's ``num_pages`` are ignored.
         num_pages: ``[R]`` number of candidate pages of each row (pages ``0 .. num_pages - 1``).
-        k: pages to select per row (``k >= 2`` when ``force_last``, ``k >= 1`` otherwise).
+        k: pages to select per row (``k >= 2`` when ``force_last``, ``k >= 1`` otherwise): one number for every
+            row, or ``[R]`` one per row (``head_budgets="prompt"``; the output is as wide as the largest).
         force_last: also force page ``num_pages - 1`` (the current, partially filled page).
 
     Returns:
@@ -89,6 +90,9 @@ def select_pages(
         candidates, and the score of each selected page (``+inf`` for forced pages, ``-inf`` for padding).
     """
     num_rows, width = scores.shape
+    row_k = None
+    if isinstance(k, torch.Tensor):
+        row_k, k = k.to(scores.device).view(-1, 1), int(k.max()) if k.numel() else 0
     k = min(k, width)
     if k == 0:
         empty = torch.empty(num_rows, 0, dtype=torch.long, device=scores.device)
@@ -104,6 +108,8 @@ def select_pages(
     # widths, so a request would select other pages in a batch (wider rows) than alone, e.g. for a zero query.
     top_scores, top_pages = ranked.sort(dim=1, descending=True, stable=True)
     top_scores, top_pages = top_scores[:, :k], top_pages[:, :k]
+    if row_k is not None:  # a row's entries beyond its own k are padding
+        top_scores = top_scores.masked_fill(torch.arange(k, device=scores.device) >= row_k, float("-inf"))
     missing = top_scores == float("-inf")
     # Ascending page order, padding last: sort keys put missing entries after every real page.
     sort_keys = top_pages.masked_fill(missing, width)
@@ -131,8 +137,9 @@ def exact_page_scores(query: torch.Tensor, keys: torch.Tensor, page_lens: torch.
     return share.logsumexp(dim=1).nan_to_num(nan=float("-inf"), neginf=float("-inf"))  # no tokens: NaN -> -inf
 
 
-def select_candidates(candidates: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
-    """``[R, min(k, W)]`` the columns of the ``k`` best of every row's ``candidates [R, W]`` by ``scores [R, W]``,
+def select_candidates(candidates: torch.Tensor, scores: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
+    """``[R, min(k, W)]`` the columns of the ``k`` (``[R]``: per row) best of every row's ``candidates [R, W]`` by
+    ``scores [R, W]``,
     in ascending order with ``-1`` padding at the end. The candidates are pages as :func:`select_pages` lists them
     (ascending, ``-1`` padding last, sink and tail included): the first and the last listed are forced in and ties
     go to the lower page, so the pages chosen are those :func:`select_pages` chooses from a page-indexed row holding
@@ -201,16 +208,18 @@ def limit_promotions(scores: torch.Tensor, num_full_pages: torch.Tensor, selecte
     return scores.masked_fill(~(held | admitted), float("-inf"))
 
 
-def attended_slots(scores: torch.Tensor, selected: torch.Tensor, count: int) -> torch.Tensor:
-    """``[R, W]`` bool: the ``count`` best held slots of every row's working set ``selected [R, W]`` (``-1`` =
-    empty) by ``scores [R, W]``, the sink (page 0) forced, NaN as ``+inf`` (as the kernels rank), ties to the lower
-    slot; an empty slot never takes a held slot's place, whatever the held slot scores."""
+def attended_slots(scores: torch.Tensor, selected: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
+    """``[R, W]`` bool: the ``count`` (``[R]``: per row) best held slots of every row's working set ``selected
+    [R, W]`` (``-1`` = empty) by ``scores [R, W]``, the sink (page 0) forced, NaN as ``+inf`` (as the kernels rank),
+    ties to the lower slot; an empty slot never takes a held slot's place, whatever the held slot scores."""
     held = selected >= 0
     ranked = scores.nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
     order = ranked.masked_fill(selected == 0, float("inf")).sort(dim=1, descending=True, stable=True).indices
     order = order.gather(1, (~held.gather(1, order)).to(torch.int8).sort(dim=1, stable=True).indices)  # held first
     columns = torch.arange(order.shape[1], device=order.device)
     rank = torch.empty_like(order).scatter_(1, order, columns.expand_as(order))
+    if isinstance(count, torch.Tensor):
+        count = count.to(rank.device).view(-1, 1)
     return held & (rank < count)
 
 

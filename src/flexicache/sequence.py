@@ -42,7 +42,7 @@ class AppendPlan:
     is_single_token: bool
     _per_device: dict[torch.device, AppendPlan] = field(default_factory=dict, repr=False)
     _row_offsets: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-    _layouts: dict[tuple[int, int], DecodeLayout] = field(default_factory=dict, repr=False)
+    _layouts: dict[tuple, DecodeLayout] = field(default_factory=dict, repr=False)
 
     @property
     def num_new_pages(self) -> int:
@@ -95,11 +95,15 @@ class AppendPlan:
             self._row_offsets[num_heads] = per_row(self.offset, num_heads)
         return self._row_offsets[num_heads]
 
-    def decode_layout(self, num_heads: int, pages_per_head: int) -> DecodeLayout:
-        """The row layout of this decode step (one object for every layer of the step: backends plan once)."""
-        key = (num_heads, pages_per_head)
+    def decode_layout(self, num_heads: int, pages_per_head: int, row_pages: tuple[int, ...] | None = None
+                      ) -> DecodeLayout:
+        """The row layout of this decode step (one object for every layer of the step: backends plan once), with
+        ``row_pages`` (``B * H``) each row's own ``K`` (``head_budgets="prompt"``: one layout per layer)."""
+        key = (num_heads, pages_per_head, row_pages)
         if key not in self._layouts:
-            self._layouts[key] = build_decode_layout(self.after_host, num_heads, pages_per_head, self.page_size)
+            limits = None if row_pages is None else torch.tensor(row_pages)
+            self._layouts[key] = build_decode_layout(self.after_host, num_heads, pages_per_head, self.page_size,
+                                                     limits)
         return self._layouts[key]
 
     def on(self, device: torch.device) -> AppendPlan:

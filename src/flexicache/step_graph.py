@@ -75,6 +75,9 @@ class StepLayer(Protocol):
 
     def prepare_device_step(self, plan: AppendPlan) -> bool: ...
 
+    @property
+    def plans_own_step(self) -> bool: ...  # its decode reads a plan of its own, not the layers' shared one
+
     def rerank_due(self, plan: AppendPlan) -> bool: ...
 
     def finish_graphed_step(self, plan: AppendPlan) -> None: ...
@@ -170,7 +173,7 @@ class StepGraphStore:
         """
         layers = self.layers
         plan = layers[0].graphed_step_plan()
-        if not layers[0].prepare_device_step(plan):
+        if not all(layer.prepare_device_step(plan) for layer in self._planning_layers()):
             return None
         if plan.num_new_pages:  # only a step that opens pages reserves, and only a reservation can reallocate
             for layer in layers:
@@ -180,6 +183,11 @@ class StepGraphStore:
         ahead = self.next_reranks
         reranks = ahead[1] if ahead is not None and ahead[0] is plan else self._reranks_due(plan)
         return reranks, plan
+
+    def _planning_layers(self) -> list[StepLayer]:
+        """The layers whose device inputs a step prepares: the first (the step's shared inputs and plan) and every
+        layer with a plan of its own (its split of the pages, ``head_budgets="prompt"``)."""
+        return [self.layers[0], *(layer for layer in self.layers[1:] if layer.plans_own_step)]
 
     def _reranks_due(self, plan: AppendPlan) -> tuple[bool, ...]:
         return tuple(layer.rerank_due(plan) for layer in self.layers)
@@ -194,9 +202,9 @@ class StepGraphStore:
         the GPU works (their device writes queue behind the launched step). No state a caller sees changes: the
         next step takes them over if it is a decode step (:meth:`SequenceState.peek_decode_plan`), any other call
         recomputes its own."""
-        first = self.layers[0]
-        plan = self.sequence.peek_decode_plan(first.device)
-        first.prepare_device_step(plan)
+        plan = self.sequence.peek_decode_plan(self.layers[0].device)
+        for layer in self._planning_layers():
+            layer.prepare_device_step(plan)
         self.next_reranks = (plan, self._reranks_due(plan))  # the rerank phase only moves with a step
 
     @contextlib.contextmanager

@@ -64,8 +64,21 @@ class LayerStorage:
                                             host_dtype=settings.host_tier_dtype(dtype),
                                             standby_pages=settings.num_standby_pages)
             self.write_slots[:, self.stable_index] = self.offloaded.tail_slots()
+        # Pages each row (request, head) attends to: K, or the prompt's split (head_budgets="prompt", use_row_pages).
+        self.row_pages_host = torch.full((batch_size * num_kv_heads,), pages_per_head, dtype=torch.long)
+        self.row_pages = self.row_pages_host.to(device)
+        self.row_pages_key: tuple[int, ...] | None = None  # the split as the step's layouts are keyed (None: K)
+        self.table_width = self.fewest_pages = pages_per_head  # the most and the fewest pages a row attends to
         self._reserved_plan: AppendPlan | None = None  # the graphed step whose room reserve_graphed_step made
         self.basis: KeyBasis | None = None  # the page boxes' axes (principal_bounds), set by the first chunk
+
+    def use_row_pages(self, pages: torch.Tensor) -> None:
+        """Attend to ``pages [B, H]`` (CPU) pages per row from the next decode step on (``head_budgets="prompt"``)."""
+        self.row_pages_host = pages.reshape(-1).long().clone()
+        self.row_pages = self.row_pages_host.to(self.device)
+        uniform = bool((self.row_pages_host == self.settings.pages_per_head).all())
+        self.row_pages_key = None if uniform else tuple(self.row_pages_host.tolist())
+        self.table_width, self.fewest_pages = int(self.row_pages_host.max()), int(self.row_pages_host.min())
 
     # ------------------------------------------------------------------------------------------------ append
 

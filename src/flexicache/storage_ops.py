@@ -80,6 +80,7 @@ def select_requests(storage: LayerStorage, index: torch.Tensor, num_tokens: torc
     chosen.meta.kmax = storage.meta.kmax.index_select(0, device_index)
     chosen.basis = None if storage.basis is None else storage.basis.select(device_index)
     kept_tokens = num_tokens[index]
+    chosen.use_row_pages(storage.row_pages_host.view(storage.batch_size, -1)[index])
     if storage.resident is not None:
         chosen.resident.take_rows(storage.resident, index, (kept_tokens + page_size - 1) // page_size)
         chosen.write_slots[:, chosen.unstable_index] = chosen.resident.tail_slots(host_to_device(kept_tokens, device))

@@ -10,25 +10,29 @@ import torch
 
 @dataclass(eq=False)  # compared by identity: a backend's plan is valid for one step's layout object
 class DecodeLayout:
-    """How many pages each row lists at one decode step; identical for every layer of that step.
+    """How many pages each row lists at one decode step; identical for every layer of that step (with
+    ``head_budgets="prompt"``: for every layer of one split).
 
     Rows are (request, KV head) pairs, ``r = b * H + h``. Every row of request ``b`` lists ``min(K, pages_b)``
-    pages, the tail (``last_page_len`` tokens) last.
+    pages (``K``: the row's own with ``head_budgets="prompt"``), the tail (``last_page_len`` tokens) last.
     """
 
     row_indptr_host: torch.Tensor  # [R + 1] int32, CPU
     row_last_page_len_host: torch.Tensor  # [R] int32, CPU
+    row_limits: tuple[int, ...] | None = None  # each row's own K (head_budgets="prompt"); None: the same K for all
 
 
-def build_decode_layout(num_tokens_host: torch.Tensor, num_kv_heads: int, pages_per_head: int, page_size: int
-                        ) -> DecodeLayout:
-    """Layout of a decode step from the real-token counts ``[B]`` (CPU) after the step's token was appended."""
-    pages = torch.clamp((num_tokens_host + page_size - 1) // page_size, max=pages_per_head)
-    row_pages = pages.repeat_interleave(num_kv_heads).to(torch.int32)
+def build_decode_layout(num_tokens_host: torch.Tensor, num_kv_heads: int, pages_per_head: int, page_size: int,
+                        row_limits: torch.Tensor | None = None) -> DecodeLayout:
+    """Layout of a decode step from the real-token counts ``[B]`` (CPU) after the step's token was appended;
+    ``row_limits [B * H]`` (CPU): each row's own ``K`` in place of ``pages_per_head`` (``head_budgets="prompt"``)."""
+    pages = ((num_tokens_host + page_size - 1) // page_size).repeat_interleave(num_kv_heads)
+    limits = torch.full_like(pages, pages_per_head) if row_limits is None else row_limits.to(pages.dtype)
+    row_pages = torch.minimum(pages, limits).to(torch.int32)
     row_indptr = torch.zeros(row_pages.numel() + 1, dtype=torch.int32)
     torch.cumsum(row_pages, 0, out=row_indptr[1:])
     last_page_len = ((num_tokens_host - 1) % page_size + 1).repeat_interleave(num_kv_heads).to(torch.int32)
-    return DecodeLayout(row_indptr, last_page_len)
+    return DecodeLayout(row_indptr, last_page_len, None if row_limits is None else tuple(row_limits.tolist()))
 
 
 class DecodeBackend(Protocol):
@@ -72,8 +76,10 @@ class PreparedBackend(DecodeBackend, Protocol):
     the CUDA-graph path (:class:`~flexicache.decode_paths.GraphedDecode`) captures :meth:`run_prepared`."""
 
     def prepare(self, layout: DecodeLayout, group: int, head_dim: int, page_size: int, pages_per_head: int,
-                dtype: torch.dtype, scale: float) -> Any:
-        """Plan the step of ``layout`` (once per step: every layer passes the same layout) and return its buffers:
+                dtype: torch.dtype, scale: float, owner: object | None = None) -> Any:
+        """Plan the step of ``layout`` (once per step: every layer passes the same layout; ``owner``: a layer storage
+        with its own split of the pages, ``head_budgets="prompt"``, whose plan stays its own) and return its
+        buffers:
         ``indices`` (int32 ``[R * K + 1]``, the caller writes each row's listed pool slots at ``indptr[r]``) and
         ``indptr`` (int32 ``[R + 1]`` on the device)."""
         ...

@@ -10,6 +10,7 @@ it runs.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,18 @@ class PlannedDecode:
     planned_for: tuple | None = None  # (settings, row indptr on the CPU) of the wrapper's current plan
 
 
+@dataclass(eq=False)
+class SharedLengths:
+    """The device buffer of the last-page lengths that the wrappers of every split (``head_budgets="prompt"``, one
+    per layer) read, and the host values last copied into it: the lengths are the same in every layer of a step."""
+
+    buffer: torch.Tensor  # int32 [R] on the device
+    loaded: torch.Tensor | None = None  # int32 [R] on the CPU
+
+    def holds(self, lengths: torch.Tensor) -> bool:
+        return self.loaded is not None and torch.equal(self.loaded, lengths)
+
+
 class FlashInferBackend:
     """:class:`~flexicache.backends.base.DecodeBackend` on FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper``.
 
@@ -74,6 +87,8 @@ class FlashInferBackend:
         self.use_tensor_cores = use_tensor_cores
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._planned_steps: dict[tuple[int, int, bool], PlannedDecode] = {}
+        self._owned_steps: weakref.WeakKeyDictionary[object, dict] = weakref.WeakKeyDictionary()
+        self._split_last_page_len: dict[int, SharedLengths] = {}  # rows: the owned wrappers' last-page lengths
         self._flashinfer = flashinfer
         self._plan_key: tuple | None = None
         self._current: PlannedDecode | None = None
@@ -85,18 +100,28 @@ class FlashInferBackend:
             return self.use_tensor_cores
         return group not in CUDA_CORE_GROUP_SIZES or group >= TENSOR_CORES_FROM_GROUP
 
-    def _planned_step(self, rows: int, pages_per_head: int, tensor_cores: bool) -> PlannedDecode:
-        """The CUDA-graph-mode wrapper (and its static buffers) for ``rows`` rows of at most ``pages_per_head``."""
+    def _planned_step(self, rows: int, pages_per_head: int, tensor_cores: bool, owner: object | None = None
+                      ) -> PlannedDecode:
+        """The CUDA-graph-mode wrapper (and its static buffers) for ``rows`` rows of at most ``pages_per_head``: one
+        per shape shared by every layer, or ``owner``'s own (a layer storage with its own split of the pages,
+        ``head_budgets="prompt"``: its captured decode reads its plan at every step; dropped with the owner)."""
+        steps = self._planned_steps if owner is None else self._owned_steps.setdefault(owner, {})
         key = (rows, pages_per_head, tensor_cores)
-        if key not in self._planned_steps:
+        if key not in steps:
             with torch.inference_mode(False):
-                self._planned_steps[key] = self._new_planned_step(rows, pages_per_head, tensor_cores)
-        return self._planned_steps[key]
+                shared = None
+                if owner is not None:  # every split's wrapper reads one buffer of the step's last-page lengths
+                    shared = self._split_last_page_len.setdefault(
+                        rows, SharedLengths(torch.zeros(rows, dtype=torch.int32, device=self.device))).buffer
+                steps[key] = self._new_planned_step(rows, pages_per_head, tensor_cores, shared)
+        return steps[key]
 
-    def _new_planned_step(self, rows: int, pages_per_head: int, tensor_cores: bool) -> PlannedDecode:
+    def _new_planned_step(self, rows: int, pages_per_head: int, tensor_cores: bool,
+                          last_page_len: torch.Tensor | None = None) -> PlannedDecode:
         indptr = torch.zeros(rows + 1, dtype=torch.int32, device=self.device)
         indices = torch.zeros(rows * pages_per_head + 1, dtype=torch.int32, device=self.device)
-        last_page_len = torch.zeros(rows, dtype=torch.int32, device=self.device)
+        if last_page_len is None:
+            last_page_len = torch.zeros(rows, dtype=torch.int32, device=self.device)
         wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
@@ -105,8 +130,10 @@ class FlashInferBackend:
         return PlannedDecode(wrapper, indices, indptr, last_page_len)
 
     def prepare(self, layout: DecodeLayout, group: int, head_dim: int, page_size: int, pages_per_head: int,
-                dtype: torch.dtype, scale: float) -> PlannedDecode:
-        """Plan the step once (every layer of the step passes the same ``layout``) and return its buffers.
+                dtype: torch.dtype, scale: float, owner: object | None = None) -> PlannedDecode:
+        """Plan the step once (every layer of the step passes the same ``layout``) and return its buffers; a layer
+        with its own split of the pages (``head_budgets="prompt"``) passes its storage as ``owner`` and keeps its
+        own plan.
 
         FlashInfer's plans (both kernels) depend on the rows' page counts, not on their last pages' lengths, which
         the kernels read from the device buffer at run time (the tensor-core plan splits each row into chunks of
@@ -119,11 +146,15 @@ class FlashInferBackend:
         key = (layout, *settings)
         if self._plan_key == key:
             return self._current
-        planned = self._planned_step(layout.row_last_page_len_host.numel(), pages_per_head, tensor_cores)
+        planned = self._planned_step(layout.row_last_page_len_host.numel(), pages_per_head, tensor_cores, owner)
         same_pages = (self.reuses_plans and planned.planned_for is not None and planned.planned_for[0] == settings
                       and torch.equal(planned.planned_for[1], layout.row_indptr_host))
+        shared = self._split_last_page_len.get(layout.row_last_page_len_host.numel())
+        if shared is None or shared.buffer is not planned.last_page_len:
+            shared = None
         if same_pages:
-            planned.last_page_len.copy_(layout.row_last_page_len_host.pin_memory(), non_blocking=True)
+            if shared is None or not shared.holds(layout.row_last_page_len_host):  # a split's: once per step
+                planned.last_page_len.copy_(layout.row_last_page_len_host.pin_memory(), non_blocking=True)
         else:
             total = int(layout.row_indptr_host[-1])
             # plan() stages its schedule in one page-locked buffer and copies it to the device asynchronously: the
@@ -139,6 +170,8 @@ class FlashInferBackend:
             if self.device.type == "cuda":  # on this device's stream, where plan() queued its copy
                 self._plan_staged = self._plan_staged or torch.cuda.Event()
                 self._plan_staged.record(torch.cuda.current_stream(self.device))
+        if shared is not None:
+            shared.loaded = layout.row_last_page_len_host
         self._plan_key, self._current = key, planned
         return planned
 

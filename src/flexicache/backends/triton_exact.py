@@ -4,14 +4,16 @@ decode table (CUDA-graph capturable, like :mod:`flexicache.backends.triton_selec
 Two launches per layer and step between the table's box scoring and its page list:
 
 - ``_candidates_kernel`` (grid: unstable row): list the pool slots and token counts of the row's top ``2K`` pages by
-  box score (sink and tail among them: their scores are ``+inf``) in ascending page order (none within the budget);
+  box score (sink and tail among them: their scores are ``+inf``) in ascending page order (none where every row
+  lists every page);
 - ``_page_mass_kernel`` (grid: row x block of listed pages): each query head's log2 attention mass of every listed
   page (``log2 sum_t 2^(q . k_t * scale * log2(e))``) from the pool's keys: an unstable row's candidates, a stable
   row's working set (``K - 1 + C`` slots, with standby pages).
 
 The table kernel turns the masses into each page's share of the listed pages' attention summed over the GQA group
-(:func:`~flexicache.selection.exact_page_scores`) and selects by it: an unstable row the ``K`` best candidates, sink
-and tail forced (:func:`~flexicache.selection.select_candidates`), a stable row its ``K - 1`` best working-set slots.
+(:func:`~flexicache.selection.exact_page_scores`) and selects by it: an unstable row its ``K`` (its own ``k`` with
+``head_budgets="prompt"``) best candidates, sink and tail forced (:func:`~flexicache.selection.select_candidates`), a
+stable row its ``K - 1`` best working-set slots.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def page_masses(inputs: TableInputs, exact: ExactInputs, scores: torch.Tensor) -
         block_scores = triton.next_power_of_2(max(inputs.kmin.shape[2], 16))
         _candidates_kernel[(batch * num_unstable,)](
             scores, inputs.table, inputs.num_tokens, scratch.candidate_slots, scratch.candidate_lens, num_unstable,
-            inputs.table.shape[2], scores.shape[1], K=k,
+            inputs.table.shape[2], scores.shape[1], inputs.fewest_pages, K=k,
             PAGE_SIZE=inputs.page_size, BLOCK_C=triton.next_power_of_2(2 * k), BLOCK_S=block_scores,
             num_warps=max(4, min(16, block_scores // 256)),
         )
@@ -95,9 +97,9 @@ def _page_mass(inputs: TableInputs, exact: ExactInputs, pages: torch.Tensor, mas
     )
 
 
-@triton.jit(do_not_specialize=["num_unstable", "table_capacity", "scores_stride"])
+@triton.jit(do_not_specialize=["num_unstable", "table_capacity", "scores_stride", "within_pages"])
 def _candidates_kernel(scores_ptr, table_ptr, num_tokens_ptr, slots_ptr, lens_ptr, num_unstable,
-                       table_capacity, scores_stride, K: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                       table_capacity, scores_stride, within_pages, K: tl.constexpr, PAGE_SIZE: tl.constexpr,
                        BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     index = tl.program_id(0)  # unstable row b * hu + i
     n = tl.load(num_tokens_ptr + index // num_unstable).to(tl.int32)
@@ -108,7 +110,7 @@ def _candidates_kernel(scores_ptr, table_ptr, num_tokens_ptr, slots_ptr, lens_pt
     tl.store(slots_ptr + out, tl.full([BLOCK_C], -1, tl.int64), mask=c < 2 * K)
     tl.store(lens_ptr + out, tl.zeros([BLOCK_C], tl.int64), mask=c < 2 * K)
     tl.debug_barrier()
-    if num_pages > K:  # rows within the budget list every page, unscored
+    if num_pages > within_pages:  # rows within every row's budget list every page, unscored
         page = tl.arange(0, BLOCK_S)
         valid = page < num_pages
         chosen = valid

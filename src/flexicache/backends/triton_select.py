@@ -163,17 +163,18 @@ def _log2_sum_exp2(mass):
 
 
 @triton.jit(do_not_specialize=["num_listed", "num_heads", "meta_capacity", "scores_stride", "weight_high",
-                                "weight_low"])
+                                "weight_low", "within_pages"])
 def _score_pages_kernel(query_ptr, kmin_ptr, kmax_ptr, num_tokens_ptr, heads_ptr, scores_ptr,
-                        num_listed, num_heads, meta_capacity, scores_stride, weight_high, weight_low,
-                        K: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        num_listed, num_heads, meta_capacity, scores_stride, weight_high, weight_low, within_pages,
+                        PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_P: tl.constexpr, REDUCE_SUM: tl.constexpr, STABLE_RERANK: tl.constexpr,
                         SPREAD_WEIGHTED: tl.constexpr):
     """Box scores of a block of pages of row (request ``b``, head ``heads[i]``), program ``(b * n + i, block)``:
     Quest's bound, or with ``SPREAD_WEIGHTED`` the corners weighted ``weight_high``/``weight_low``
     (:func:`~flexicache.selection.quest_page_scores`).
 
-    Decode selection (``STABLE_RERANK`` off): every page, only rows over the budget ``K``, sink and tail +inf; the
+    Decode selection (``STABLE_RERANK`` off): every page, only rows of more than ``within_pages`` pages (the fewest
+    any row attends to: the others list every page, unscored), sink and tail +inf; the
     query of row ``b * H + h``. Stable rerank (on): full pages only (the tail is no candidate), every row, nothing
     forced; the query of row ``b * n + i`` (the listed heads' own queries).
     """
@@ -188,7 +189,7 @@ def _score_pages_kernel(query_ptr, kmin_ptr, kmax_ptr, num_tokens_ptr, heads_ptr
     else:
         num_pages = (num_tokens + PAGE_SIZE - 1) // PAGE_SIZE
         query_row = row
-        scored = (num_pages > K) & (tl.program_id(1) * BLOCK_P < num_pages)  # rows within the budget need none
+        scored = (num_pages > within_pages) & (tl.program_id(1) * BLOCK_P < num_pages)  # within budget: none
     page = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     valid = (page < num_pages) & (page < scores_stride)  # a row never writes past its own scores
     if scored:
@@ -202,11 +203,11 @@ def _score_pages_kernel(query_ptr, kmin_ptr, kmax_ptr, num_tokens_ptr, heads_ptr
 
 
 @triton.jit
-def _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, positions, slots, lengths, mask,
-               K: tl.constexpr, WRITE_TABLE: tl.constexpr, WRITE_FLAT: tl.constexpr):
-    """Write the listed entries (``mask``) of ``row`` at ``positions``."""
+def _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, positions, slots, lengths, mask, width,
+               WRITE_TABLE: tl.constexpr, WRITE_FLAT: tl.constexpr):
+    """Write the listed entries (``mask``) of ``row`` at ``positions`` (``width``: the padded table's row length)."""
     if WRITE_TABLE:
-        out = row.to(tl.int64) * K + positions
+        out = row.to(tl.int64) * width + positions
         tl.store(out_slots_ptr + out, slots.to(tl.int64), mask=mask)
         tl.store(out_lens_ptr + out, lengths.to(tl.int64), mask=mask)
     if WRITE_FLAT:
@@ -214,13 +215,13 @@ def _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, positions
 
 
 @triton.jit(do_not_specialize=["num_unstable_rows", "num_unstable", "num_stable", "num_heads", "table_capacity",
-                               "stable_base", "scores_stride", "meta_capacity", "weight_high", "weight_low"])
+                               "stable_base", "scores_stride", "meta_capacity", "weight_high", "weight_low", "width"])
 def _decode_table_kernel(
     scores_ptr, table_ptr, selected_ptr, selected_scores_ptr, working_scores_ptr, query_ptr, kmin_ptr, kmax_ptr,
     num_tokens_ptr, unstable_heads_ptr, stable_heads_ptr, out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr,
-    candidate_slots_ptr, candidate_lens_ptr, unstable_mass_ptr, stable_mass_ptr,
+    candidate_slots_ptr, candidate_lens_ptr, unstable_mass_ptr, stable_mass_ptr, row_pages_ptr,
     num_unstable_rows, num_unstable, num_stable, num_heads, table_capacity, stable_base, scores_stride, meta_capacity,
-    weight_high, weight_low,
+    weight_high, weight_low, width,
     K: tl.constexpr, SLOTS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_S: tl.constexpr, CHUNK_W: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     REDUCE_SUM: tl.constexpr, SPREAD_WEIGHTED: tl.constexpr, WRITE_TABLE: tl.constexpr, WRITE_FLAT: tl.constexpr,
@@ -230,24 +231,25 @@ def _decode_table_kernel(
     index, batch, row = _row_of(pid, num_unstable_rows, num_unstable, num_stable, num_heads, unstable_heads_ptr,
                                 stable_heads_ptr)
     k_offsets = tl.arange(0, BLOCK_K)
-    in_row = k_offsets < K
+    in_row = k_offsets < width
+    k = tl.load(row_pages_ptr + row).to(tl.int32)  # the row's own K (head_budgets)
     n = tl.load(num_tokens_ptr + batch).to(tl.int32)
     num_pages = (n + PAGE_SIZE - 1) // PAGE_SIZE
     last_len = n - (num_pages - 1) * PAGE_SIZE
     if WRITE_TABLE:  # clear the padded row first; listed entries overwrite it
-        out = row.to(tl.int64) * K + k_offsets
+        out = row.to(tl.int64) * width + k_offsets
         tl.store(out_slots_ptr + out, tl.full([BLOCK_K], -1, tl.int64), mask=in_row)
         tl.store(out_lens_ptr + out, tl.zeros([BLOCK_K], tl.int64), mask=in_row)
         tl.debug_barrier()
     if pid < num_unstable_rows:
         table_row = table_ptr + index.to(tl.int64) * table_capacity
-        if num_pages <= K:  # every page fits: list them all
+        if num_pages <= k:  # every page fits: list them all
             listed = k_offsets < num_pages
             every_slot = tl.load(table_row + k_offsets, mask=listed, other=-1)
             every_length = tl.where(k_offsets == num_pages - 1, last_len, PAGE_SIZE)
             _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, k_offsets, every_slot, every_length,
-                       listed, K, WRITE_TABLE, WRITE_FLAT)
-        elif EXACT:  # the K of most attention mass among the candidates (ascending pages: sink first, tail last)
+                       listed, width, WRITE_TABLE, WRITE_FLAT)
+        elif EXACT:  # the k of most attention mass among the candidates (ascending pages: sink first, tail last)
             c = tl.arange(0, BLOCK_C)  # names below differ from the other branches': Triton types them per branch
             candidate = index.to(tl.int64) * 2 * K + c
             candidate_length = tl.load(candidate_lens_ptr + candidate, mask=c < 2 * K, other=0)
@@ -255,25 +257,25 @@ def _decode_table_kernel(
             last = tl.sum(is_candidate.to(tl.int32), axis=0) - 1
             mass_score = _mass_scores(unstable_mass_ptr + index.to(tl.int64) * GROUP * 2 * K, 2 * K, GROUP, BLOCK_C)
             mass_score = tl.where((c == 0) | (c == last), float("inf"), mass_score)
-            picked = _top_keys(_order_key(mass_score).to(tl.int64), is_candidate, K)
+            picked = _top_keys(_order_key(mass_score).to(tl.int64), is_candidate, k)
             picked_slot = tl.load(candidate_slots_ptr + candidate, mask=picked, other=-1)
             picked_position = tl.cumsum(picked.to(tl.int32), axis=0) - 1
             _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, picked_position, picked_slot,
-                       candidate_length, picked, K, WRITE_TABLE, WRITE_FLAT)
+                       candidate_length, picked, width, WRITE_TABLE, WRITE_FLAT)
         else:
             page = tl.arange(0, BLOCK_S)
             valid = page < num_pages
             key = _order_key(tl.load(scores_ptr + index.to(tl.int64) * scores_stride + page, mask=valid,
                                      other=0.0)).to(tl.int64)
             # Chosen pages in ascending order (the tail, the highest page, lands last); ties go to lower pages.
-            chosen = _top_keys(key, valid, K)
+            chosen = _top_keys(key, valid, k)
             position = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
             chosen_slot = tl.load(table_row + page, mask=chosen, other=-1)
             chosen_length = tl.where(page == num_pages - 1, last_len, PAGE_SIZE)
             _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, position, chosen_slot, chosen_length,
-                       chosen, K, WRITE_TABLE, WRITE_FLAT)
+                       chosen, width, WRITE_TABLE, WRITE_FLAT)
     else:
-        # A stable row lists the working-set slots it attends to (all of them, or with standby pages the K - 1 best
+        # A stable row lists the working-set slots it attends to (all of them, or with standby pages the k - 1 best
         # for this step's query: OffloadedPages.decode_pages), then its tail slot.
         w = tl.arange(0, BLOCK_W)
         selected_row = selected_ptr + index.to(tl.int64) * SLOTS
@@ -291,16 +293,16 @@ def _decode_table_kernel(
                 score = tl.load(working_scores + w, mask=attended, other=0.0)
             score = tl.where(page == 0, float("inf"), tl.where(attended, score, float("-inf")))
             tl.store(selected_scores_ptr + index.to(tl.int64) * SLOTS + w, score, mask=w < SLOTS)
-            if tl.sum(attended.to(tl.int32), axis=0) > K - 1:  # ties go to the lower slots
-                attended = _top_keys(_order_key(score).to(tl.int64), attended, K - 1)
+            if tl.sum(attended.to(tl.int32), axis=0) > k - 1:  # ties go to the lower slots
+                attended = _top_keys(_order_key(score).to(tl.int64), attended, k - 1)
         count = tl.sum(attended.to(tl.int32))
         first_slot = stable_base + index.to(tl.int64) * (SLOTS + 1)
         positions = tl.cumsum(attended.to(tl.int32), axis=0) - 1
         _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, positions, first_slot + w,
-                   tl.full([BLOCK_W], PAGE_SIZE, tl.int32), attended, K, WRITE_TABLE, WRITE_FLAT)
+                   tl.full([BLOCK_W], PAGE_SIZE, tl.int32), attended, width, WRITE_TABLE, WRITE_FLAT)
         tail = w == 0
         _store_row(out_slots_ptr, out_lens_ptr, flat_ptr, indptr_ptr, row, count + w, first_slot + SLOTS + w,
-                   last_len + w, tail, K, WRITE_TABLE, WRITE_FLAT)
+                   last_len + w, tail, width, WRITE_TABLE, WRITE_FLAT)
 
 
 @dataclass
@@ -312,7 +314,10 @@ class TableInputs:
     ``selected``/``selected_scores``: ``[B * hs, K - 1 + C]`` the stable heads' working sets and their scores
     (``None`` if none; with standby pages, ``C > 0``, the scores are this step's after the table is made);
     ``num_tokens``: ``[B]`` real tokens per request (after this step's token); ``unstable_heads`` /
-    ``stable_heads``: head indices of the two classes; ``stable_base``: first pool slot of the stable rows.
+    ``stable_heads``: head indices of the two classes; ``stable_base``: first pool slot of the stable rows;
+    ``row_pages``: ``[B * H]`` pages each row attends to (``K``, or its own with ``head_budgets="prompt"``),
+    ``width`` the largest and ``fewest_pages`` the smallest of them (host ints: the table's row length, and the row
+    length up to which every row lists every page).
     """
 
     query: torch.Tensor
@@ -328,7 +333,10 @@ class TableInputs:
     pages_per_head: int
     page_size: int
     group_reduce: str
-    spread_weight: float = 1.0
+    spread_weight: float
+    row_pages: torch.Tensor
+    width: int
+    fewest_pages: int
 
 
 @dataclass
@@ -406,7 +414,7 @@ def stable_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tens
     if rows and width:
         _score_pages_kernel[(rows, triton.cdiv(width, SCORE_BLOCK))](
             query.contiguous(), kmin, kmax, num_tokens, heads, scores, heads.numel(), kmin.shape[1], kmin.shape[2],
-            width, *spread_weights(spread_weight), K=0, PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim,
+            width, *spread_weights(spread_weight), 0, PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim,
             BLOCK_P=SCORE_BLOCK, REDUCE_SUM=group_reduce == "sum", STABLE_RERANK=True,
             SPREAD_WEIGHTED=spread_weight != 1.0, num_warps=SCORE_WARPS,
         )
@@ -426,7 +434,7 @@ def decode_table(inputs: TableInputs, scores: torch.Tensor, working_scores: torc
                  flat: torch.Tensor | None = None, indptr: torch.Tensor | None = None,
                  table_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Score, select and list one layer's pages: fill ``flat`` at ``indptr`` (FlashInfer's index buffer and its
-    ``[B * H + 1]`` row offsets) and/or ``table_out = (slots, page_lens)``, both ``[B * H, K]`` (padded);
+    ``[B * H + 1]`` row offsets) and/or ``table_out = (slots, page_lens)``, both ``[B * H, width]`` (padded);
     ``scores`` and ``working_scores`` are scratch (:func:`scores_buffer`, :func:`working_scores_buffer`; ``None``:
     allocated here)."""
     if not fits_fused_table(inputs.kmin.shape[2]):
@@ -444,7 +452,7 @@ def score_unstable_pages(inputs: TableInputs, scores: torch.Tensor) -> None:
     if num_unstable:
         _score_pages_kernel[(batch * num_unstable, triton.cdiv(capacity, SCORE_BLOCK))](
             inputs.query, inputs.kmin, inputs.kmax, inputs.num_tokens, inputs.unstable_heads, scores, num_unstable,
-            rows // batch, capacity, scores.shape[1], *spread_weights(inputs.spread_weight), K=inputs.pages_per_head,
+            rows // batch, capacity, scores.shape[1], *spread_weights(inputs.spread_weight), inputs.fewest_pages,
             PAGE_SIZE=inputs.page_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_P=SCORE_BLOCK,
             REDUCE_SUM=inputs.group_reduce == "sum", STABLE_RERANK=False,
             SPREAD_WEIGHTED=inputs.spread_weight != 1.0, num_warps=SCORE_WARPS,
@@ -473,12 +481,12 @@ def list_pages(inputs: TableInputs, scores: torch.Tensor, working_scores: torch.
         inputs.selected_scores if num_stable else unused, working_scores, inputs.query, inputs.kmin, inputs.kmax,
         inputs.num_tokens, inputs.unstable_heads if num_unstable else unused,
         inputs.stable_heads if num_stable else unused, slots, lens, flat if flat is not None else unused,
-        indptr if indptr is not None else unused, *exact_args,
+        indptr if indptr is not None else unused, *exact_args, inputs.row_pages,
         batch * num_unstable, max(num_unstable, 1), max(num_stable, 1),
         rows // batch, inputs.table.shape[2] if num_unstable else 0, inputs.stable_base, scores.shape[1],
-        inputs.kmin.shape[2], *spread_weights(inputs.spread_weight),
+        inputs.kmin.shape[2], *spread_weights(inputs.spread_weight), inputs.width,
         K=inputs.pages_per_head, SLOTS=working, PAGE_SIZE=inputs.page_size,
-        BLOCK_K=triton.next_power_of_2(inputs.pages_per_head), BLOCK_W=block_working, BLOCK_S=block_scores,
+        BLOCK_K=triton.next_power_of_2(inputs.width), BLOCK_W=block_working, BLOCK_S=block_scores,
         CHUNK_W=min(32, block_working), GROUP=group, HEAD_DIM=head_dim, REDUCE_SUM=inputs.group_reduce == "sum",
         SPREAD_WEIGHTED=inputs.spread_weight != 1.0, WRITE_TABLE=table_out is not None, WRITE_FLAT=flat is not None,
         EXACT=exact is not None, BLOCK_C=triton.next_power_of_2(2 * inputs.pages_per_head),

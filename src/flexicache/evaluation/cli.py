@@ -20,8 +20,10 @@ from .longbench import DEFAULT_HUB_REPO
 SUITES = ("longbench", "leval", "synthetic", "ppl", "lcc")
 # settings that change what a stored prediction means: resuming with other values is refused
 IDENTITY = ("suite", "model", "gguf_file", "context_length", "decode_tail", "chat", "seed", "page_size",
-            "rerank_interval", "standby_pages", "exact_rescore", "profile", "prefill", "max_new_tokens", "dtype",
-            "data", "stop_strings")
+            "rerank_interval", "standby_pages", "exact_rescore", "head_budgets", "profile", "prefill",
+            "max_new_tokens", "dtype", "data", "stop_strings")
+# identity settings added later, with the value a folder that does not record them ran with
+IDENTITY_BEFORE_RECORDED = {"head_budgets": "uniform"}
 # suites whose samples depend on the sample count (passkey spreads its needle depths over --limit samples)
 IDENTITY_BY_SUITE = {"synthetic": ("limit",)}
 DEFAULT_SYNTHETIC_SAMPLES = 5
@@ -41,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", nargs="*", default=[], metavar="SPEC",
                         help="more FlexiCache rows, each a comma-separated list of settings, e.g. "
                              "token_budget=256,page_size=8 or budget=512,group_reduce=sum,profile=my.json (settings "
-                             "left out: --page-size, --rerank-interval, --standby-pages, --exact-rescore, --profile); "
+                             "left out: --page-size, --rerank-interval, --standby-pages, --exact-rescore, "
+                             "--head-budgets, --profile); "
                              "named flexicache@256,page_size=8")
     parser.add_argument("--oracle", action="store_true",
                         help="also an oracle row per --budget: the pages holding the most true attention mass at "
@@ -59,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact-rescore", type=parse_boolean, metavar="{true,false}",
                         help="choose the attended pages by their keys' attention mass among the box scores' candidates "
                              "(default: FlexiCache's)")
+    parser.add_argument("--head-budgets", choices=["uniform", "prompt"],
+                        help="pages per head: the same K for every head, or each request's split across a layer's "
+                             "heads at the prompt (default: FlexiCache's)")
     parser.add_argument("--data", nargs="*", default=None,
                         help="longbench/lcc: folders with data/*.jsonl, JSONL files or zip archives of them "
                              "(longbench without it: the hub's data.zip); leval: L-Eval JSONL files or archives "
@@ -118,7 +124,7 @@ def _fill_cache_defaults(args: argparse.Namespace) -> None:
     to the values its rows ran with)."""
     from flexicache.config import FlexiCacheConfig
 
-    for name in ("page_size", "rerank_interval", "standby_pages", "exact_rescore"):
+    for name in ("page_size", "rerank_interval", "standby_pages", "exact_rescore", "head_budgets"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(FlexiCacheConfig, name))
 
@@ -129,7 +135,7 @@ def _check_resume(out: Path, args: argparse.Namespace) -> None:
     if path.exists():
         stored = json.loads(path.read_text(encoding="utf-8"))
         identity = IDENTITY + IDENTITY_BY_SUITE.get(current.get("suite"), ())
-        changed = [k for k in identity if stored.get(k) != current.get(k)]
+        changed = [k for k in identity if stored.get(k, IDENTITY_BEFORE_RECORDED.get(k)) != current.get(k)]
         if changed:
             raise SystemExit(f"{out} holds results made with other settings ({', '.join(changed)}); "
                              "use another --out or the same settings")
@@ -173,6 +179,8 @@ def build_methods(model: Any, args: argparse.Namespace) -> list:
                 "standby_pages": args.standby_pages, "exact_rescore": args.exact_rescore,
                 "group_reduce": FlexiCacheConfig.group_reduce, "spread_weight": FlexiCacheConfig.spread_weight,
                 "principal_bounds": FlexiCacheConfig.principal_bounds}
+    if args.head_budgets != "uniform":  # recorded where not K per head (what rows recorded before it existed ran)
+        defaults["head_budgets"] = args.head_budgets
     methods = [DenseMethod(model)]
     if args.oracle:
         methods += [OracleMethod(model, budget, args.page_size) for budget in args.budget]

@@ -1,0 +1,114 @@
+"""Pages per row split across each request's KV heads at the prompt (``head_budgets="prompt"``, beyond the paper).
+
+With ``head_budgets="uniform"`` every (request, KV head) row attends to ``K`` pages. With ``"prompt"`` a layer's
+``H * K`` pages of a request are split across its heads once, from the first prompt chunk, and kept for the whole
+decode (fixed shapes): a head whose attention is spread over many pages takes pages from one whose attention sits on
+a few. The split maximises the attention mass that each head's top ``K_h`` pages (by true attention) hold for the
+prompt's last :data:`WINDOW` queries, summed over the heads: with ``gain[h, k]`` the mean mass of head ``h``'s
+``k``-th heaviest page, non-increasing in ``k``, the best split takes the largest gains over all heads
+(:func:`split_budget`).
+
+Each request is split over its own real tokens (a left-padded batch decodes as each request alone). A head's share
+stays within :func:`row_bounds`: at least the sink and the tail page, at most the candidates it chooses from at a
+step (an unstable head's top ``2K`` pages by box score, a stable head's ``K - 1 + C`` working-set pages and tail);
+without standby pages a stable head keeps ``K``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexicache.config import FlexiCacheConfig
+
+WINDOW = 64  # prompt-tail queries whose attention the split reads
+QUERY_BLOCK = 16  # window queries per attention block (bounds the [Hq, block, T] logits of a long prompt)
+
+
+def prompt_page_gains(query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.Tensor | None, page_size: int,
+                      window: int = WINDOW) -> torch.Tensor:
+    """``[B, H, P]`` float32: ``gain[b, h, k]``, the mean over request ``b``'s last ``window`` real prompt positions of
+    the attention mass (each query head's share, averaged over the GQA group) of head ``h``'s ``k``-th heaviest page
+    of that request's real tokens (``P``: the longest request's pages; ``-inf`` beyond a request's).
+
+    Args:
+        query: ``[B, Hq, T', D]`` the chunk's last ``T' <= T`` queries (RoPE applied; ``T' >= window`` reads all
+            ``window``).
+        keys: ``[B, H, T, D]`` the chunk's keys.
+        real_tokens: ``[B, T]`` bool (``None``: all real; padding on the left).
+    """
+    batch, num_heads, length, head_dim = keys.shape
+    group = query.shape[1] // num_heads
+    num_pages = -(-length // page_size)
+    gains = torch.full((batch, num_heads, num_pages), float("-inf"), dtype=torch.float32, device=keys.device)
+    real_counts = [length] * batch if real_tokens is None else real_tokens.sum(dim=1).tolist()
+    for request, count in enumerate(real_counts):
+        if count == 0:
+            continue
+        request_keys = keys[request, :, length - count:].float()  # [H, n, D]: left padding skipped
+        tail = query[request, :, query.shape[2] - min(window, count, query.shape[2]):].float()  # [Hq, W, D]
+        positions = torch.arange(count - tail.shape[1], count, device=keys.device)
+        mass = torch.zeros(num_heads, -(-count // page_size), dtype=torch.float32, device=keys.device)
+        for start in range(0, tail.shape[1], QUERY_BLOCK):
+            block = tail[:, start:start + QUERY_BLOCK].view(num_heads, group, -1, head_dim)
+            logits = torch.einsum("hgwd,htd->hgwt", block, request_keys) * head_dim ** -0.5
+            future = torch.arange(count, device=keys.device) > positions[start:start + QUERY_BLOCK].view(-1, 1)
+            shares = logits.masked_fill(future, float("-inf")).softmax(dim=-1).mean(dim=1)  # [H, w, n]
+            padded = torch.nn.functional.pad(shares, (0, mass.shape[1] * page_size - count))
+            page_mass = padded.view(num_heads, -1, mass.shape[1], page_size).sum(dim=-1)  # [H, w, pages]
+            mass += page_mass.sort(dim=-1, descending=True).values.sum(dim=1)
+        gains[request, :, :mass.shape[1]] = mass / tail.shape[1]
+    return gains
+
+
+def split_budget(gains: torch.Tensor, total: int, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """``[H]`` long: pages per head, ``low <= K_h <= high`` and summing to ``total``, that maximise the summed gains
+    of the pages given (``gains [H, P]``, each row non-increasing: head ``h``'s ``k``-th page gains ``gains[h, k]``;
+    a page beyond ``P`` gains ``-inf``, taken only where the bounds demand it). Equal gains go to the lower head, then
+    the lower page.
+
+    Raises ``ValueError`` when the bounds cannot meet ``total``.
+    """
+    num_heads, width = gains.shape
+    low, high = low.long().cpu(), high.long().cpu()
+    if int(low.sum()) > total or int(high.sum()) < total:
+        raise ValueError(f"cannot split {total} pages over heads holding {low.tolist()} to {high.tolist()} pages.")
+    extra = total - int(low.sum())
+    depth = int((high - low).max()) if num_heads else 0
+    columns = low.view(-1, 1) + torch.arange(depth).view(1, -1)  # [H, depth] the page each extra unit would be
+    # A page beyond P ranks below every real page (gains >= 0), a unit beyond a head's bound below everything.
+    beyond_pages = gains.float().cpu().nan_to_num(neginf=-1.0)
+    padded = torch.nn.functional.pad(beyond_pages, (0, max(0, int(high.max()) - width)), value=-1.0)
+    candidate = padded.gather(1, columns.clamp(max=padded.shape[1] - 1))
+    candidate = candidate.masked_fill(columns >= high.view(-1, 1), float("-inf"))
+    # Stable descending order over (head, page) keeps ties toward the lower head, then the lower page; with every
+    # row non-increasing, a head's taken units are its first ones.
+    order = candidate.flatten().sort(descending=True, stable=True).indices[:extra]
+    taken = torch.zeros(num_heads * depth, dtype=torch.long).scatter_(0, order, 1).view(num_heads, depth)
+    return low + taken.sum(dim=1)
+
+
+def row_bounds(settings: FlexiCacheConfig, unstable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(low, high)``, ``[H]`` each: the pages a head may attend to under ``head_budgets="prompt"``, for the heads
+    marked in ``unstable [H]`` (bool) and the others (stable; without standby pages these keep ``K``)."""
+    k, standby = settings.pages_per_head, settings.num_standby_pages
+    low = torch.full(unstable.shape, 2, dtype=torch.long)
+    high = torch.where(unstable, 2 * k, k + standby)
+    if not standby:
+        low = torch.where(unstable, low, k)
+    return low, high
+
+
+def prompt_row_pages(gains: torch.Tensor, settings: FlexiCacheConfig, unstable_heads: list[int]) -> torch.Tensor:
+    """``[B, H]`` long (CPU): each request's split of its ``H * K`` pages from ``gains [B, H, P]``
+    (:func:`prompt_page_gains`); ``K`` everywhere for a request whose prompt has no more pages than ``K``."""
+    batch, num_heads, _ = gains.shape
+    k = settings.pages_per_head
+    unstable = torch.zeros(num_heads, dtype=torch.bool)
+    unstable[unstable_heads] = True
+    low, high = row_bounds(settings, unstable)
+    pages = torch.full((batch, num_heads), k, dtype=torch.long)
+    gains = gains.cpu()
+    for request in range(batch):
+        if int(gains[request].isfinite().sum(dim=1).max()) > k:
+            pages[request] = split_budget(gains[request], num_heads * k, low, high)
+    return pages
