@@ -169,6 +169,15 @@ for model in ${models[@]}; do
                 --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --method budget=512,exact_rescore=true \
                 --out "$root/levers/qwen2.5-coder-synthetic-8k-niah-16-exact"
+            # each request's pages split across a layer's KV heads at the prompt (head_budgets=prompt, the defaults)
+            eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 \
+                --profile online --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/qwen2.5-coder-ppl-2k-head-budgets-online"
+            eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 \
+                --profile online --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt \
+                --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/qwen2.5-coder-ppl-2k-replicate-head-budgets-online"
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/lcc-8k" 1024 512 budget=1024,rerank_warmup=16 \
@@ -383,6 +392,23 @@ PY
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --page-size 8 --standby-pages 0 --oracle --method budget=192,rerank_interval=1 \
                 --out "$root/levers/ppl-1.5k-replicate-page8"
+            echo "+ levers: each request's pages split across a layer's KV heads at the prompt (head_budgets=prompt,"
+            echo "  the defaults), no profile"
+            eval_cpu --model smollm2 --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
+                --profile online --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt \
+                budget=96,exact_rescore=true,standby_pages=12,head_budgets=prompt \
+                --out "$root/levers/ppl-1.5k-head-budgets-online"
+            eval_cpu --model smollm2 --suite ppl \
+                --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
+                --profile online --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt \
+                budget=96,exact_rescore=true,standby_pages=12,head_budgets=prompt \
+                --out "$root/levers/ppl-1.5k-replicate-head-budgets-online"
+            eval_cpu --model smollm2 --suite synthetic --profile online \
+                --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
+                --page-size 8 --method budget=512,exact_rescore=true,standby_pages=64,head_budgets=prompt \
+                budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt \
+                --out "$root/levers/synthetic-4k-head-budgets-online"
             echo "+ levers: niah_single_1 4k"
             eval_cpu --model smollm2 --suite synthetic \
                 --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 --oracle \

@@ -95,6 +95,13 @@ def test_prompt_gains_of_a_left_padded_request_are_its_own():
                                prompt_page_gains(query, keys, real, page_size=8, window=20), atol=0, rtol=0)
 
 
+def test_a_layer_with_one_kv_head_keeps_k():
+    """Gemma 3's paged layers have one KV head: nothing to split, the same pages as ``"uniform"``."""
+    gains = torch.rand(2, 1, 40).sort(dim=-1, descending=True).values
+    settings = FlexiCacheConfig(token_budget=64, page_size=8)
+    assert prompt_row_pages(gains, settings, [0]).tolist() == prompt_row_pages(gains, settings, []).tolist() == [[8], [8]]
+
+
 def test_row_bounds_keep_the_stable_heads_at_k_without_standby_pages():
     unstable = torch.tensor([True, False])
     low, high = row_bounds(FlexiCacheConfig(token_budget=64, page_size=8), unstable)

@@ -42,7 +42,7 @@ def compile_for_hopper(kernel, constants: dict[str, object], pointer_types: dict
 @pytest.mark.parametrize("stable_rerank", [False, True])
 def test_score_pages_kernel_compiles(reduce_sum: bool, stable_rerank: bool) -> None:
     compile_for_hopper(triton_select._score_pages_kernel,
-                       dict(K=64, PAGE_SIZE=16, GROUP=4, HEAD_DIM=128, BLOCK_P=64, REDUCE_SUM=reduce_sum,
+                       dict(PAGE_SIZE=16, GROUP=4, HEAD_DIM=128, BLOCK_P=64, REDUCE_SUM=reduce_sum,
                             STABLE_RERANK=stable_rerank),
                        {"scores_ptr": "*fp32"})
 

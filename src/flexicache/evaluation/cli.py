@@ -135,7 +135,8 @@ def _check_resume(out: Path, args: argparse.Namespace) -> None:
     if path.exists():
         stored = json.loads(path.read_text(encoding="utf-8"))
         identity = IDENTITY + IDENTITY_BY_SUITE.get(current.get("suite"), ())
-        changed = [k for k in identity if stored.get(k, IDENTITY_BEFORE_RECORDED.get(k)) != current.get(k)]
+        changed = [k for k in identity
+                   if stored.get(k, IDENTITY_BEFORE_RECORDED.get(k)) != current.get(k, IDENTITY_BEFORE_RECORDED.get(k))]
         if changed:
             raise SystemExit(f"{out} holds results made with other settings ({', '.join(changed)}); "
                              "use another --out or the same settings")
