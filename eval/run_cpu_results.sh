@@ -16,8 +16,8 @@ stdlib=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 
 # flexicache eval on the CPU; --exact-rescore false --standby-pages quarter --head-budgets uniform: the folders' own
 # rows choose pages by box scores, keep K // 4 pages on standby and give every head K pages (rows with
-# exact_rescore=true, K standby pages, spelled standby_pages=budget/8 at 8-token pages, and head_budgets=prompt are
-# the library's defaults)
+# exact_rescore=true and K standby pages, spelled standby_pages=budget/8 at 8-token pages, are the library's
+# defaults; head_budgets=prompt rows split each layer's pages across its heads)
 eval_cpu() {
     python -m flexicache.cli eval --device cpu --no-progress --exact-rescore false --standby-pages quarter \
         --head-budgets uniform "$@"
@@ -169,7 +169,7 @@ for model in ${models[@]}; do
                 --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --method budget=512,exact_rescore=true \
                 --out "$root/levers/qwen2.5-coder-synthetic-8k-niah-16-exact"
-            # each request's pages split across a layer's KV heads at the prompt (head_budgets=prompt, the defaults)
+            # each request's pages split across a layer's KV heads at the prompt (head_budgets=prompt), other defaults
             eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 \
                 --profile online --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
@@ -178,6 +178,11 @@ for model in ${models[@]}; do
                 --profile online --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-replicate-head-budgets-online"
+            eval_cpu --model qwen2.5-coder --suite lcc --page-size 8 --profile online \
+                --method budget=320,exact_rescore=true,standby_pages=40,head_budgets=prompt \
+                budget=160,exact_rescore=true,standby_pages=20,head_budgets=prompt \
+                --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24 \
+                --out "$root/levers/qwen2.5-coder-lcc-3k-head-budgets-online"
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/lcc-8k" 1024 512 budget=1024,rerank_warmup=16 \
@@ -392,8 +397,8 @@ PY
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --page-size 8 --standby-pages 0 --oracle --method budget=192,rerank_interval=1 \
                 --out "$root/levers/ppl-1.5k-replicate-page8"
-            echo "+ levers: each request's pages split across a layer's KV heads at the prompt (head_budgets=prompt,"
-            echo "  the defaults), no profile"
+            echo "+ levers: each request's pages split across a layer's KV heads at the prompt (head_budgets=prompt)"
+            echo "  with the other defaults, no profile"
             eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --budget 192 \
                 --profile online --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt \
@@ -409,6 +414,10 @@ PY
                 --page-size 8 --method budget=512,exact_rescore=true,standby_pages=64,head_budgets=prompt \
                 budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt \
                 --out "$root/levers/synthetic-4k-head-budgets-online"
+            eval_cpu --model smollm2 --suite synthetic --profile online \
+                --tasks passkey niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 \
+                --method budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt \
+                --out "$root/levers/synthetic-8k-head-budgets-online"
             echo "+ levers: niah_single_1 4k"
             eval_cpu --model smollm2 --suite synthetic \
                 --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 --oracle \

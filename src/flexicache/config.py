@@ -56,13 +56,14 @@ class FlexiCacheConfig:
             keys at every step (in the fused kernels on CUDA, :mod:`flexicache.backends.triton_exact`: 1.07x the
             decode step of ``False`` with ``standby_pages="quarter"``, 1.12x with the default's K standby pages,
             BENCHMARKS.md). ``False``: the pages of the best box scores (Quest's way).
-        head_budgets: how many pages each KV head attends to. ``"prompt"`` (the default): each request's ``H * K``
-            pages of a layer split across its KV heads once, from the attention of the first prompt chunk's last
-            queries (:mod:`flexicache.head_budgets`: a head of spread attention takes pages from one whose attention
-            sits on a few; each head between 2 pages and the candidates it chooses from, ``2K`` or ``K + C``), fixed
-            for the decode: the same pages and bytes in all, closer to dense (SmolLM2 perplexity 1.021 and 1.026 of
-            dense at 1/8 against 1.024 and 1.033, eval/RESULTS.md) for 1.01x the GPU decode step; a layer with one KV
-            head keeps ``K``. ``"uniform"``: ``K`` pages for every head (the paper's).
+        head_budgets: how many pages each KV head attends to. ``"uniform"`` (the default): ``K`` for every head (the
+            paper's). ``"prompt"``: each request's ``H * K`` pages of a layer split across its KV heads once, from the
+            attention of the first prompt chunk's last queries (:mod:`flexicache.head_budgets`: a head of spread
+            attention takes pages from one whose attention sits on a few; each head between 2 pages and the
+            candidates it chooses from, ``2K`` or ``K + C``), fixed for the decode: the same pages and bytes in all,
+            closer to dense on the CPU (SmolLM2 perplexity 1.021 and 1.026 of dense at 1/8 against 1.024 and 1.033,
+            eval/RESULTS.md); on CUDA one FlashInfer plan per layer (its final form not yet run or timed on a GPU,
+            so not yet the default). A layer with one KV head keeps ``K``.
         backend: decode kernel: ``"auto"`` (FlashInfer on CUDA when installed, else the torch reference),
             ``"reference"`` or ``"flashinfer"``.
         cuda_graphs: on the CUDA + FlashInfer path, capture each layer's decode step (token append, scoring,
@@ -92,7 +93,7 @@ class FlexiCacheConfig:
     spread_weight: float = 0.5
     principal_bounds: bool = True
     exact_rescore: bool = True
-    head_budgets: HeadBudgetsName = "prompt"
+    head_budgets: HeadBudgetsName = "uniform"
     backend: BackendName = "auto"
     cuda_graphs: bool = True
     max_cache_len: int | None = None
