@@ -107,17 +107,20 @@ def test_each_split_keeps_its_own_plan_and_a_step_copies_its_last_pages_once(bac
 
     copies: list[int] = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: copies.append(1) or self)
-    owners = [Owner(), Owner()]
-    limits = [torch.tensor([4, 2, 3, 3]), torch.tensor([2, 4, 4, 2])]  # [B * H] each request's split
+    owners = [Owner(), Owner(), Owner()]
+    limits = [torch.tensor([4, 2, 3, 3]), torch.tensor([2, 4, 4, 2]), torch.tensor([4, 2, 3, 3])]  # [B * H] each
     for tokens in ([100, 70], [101, 71], [102, 72]):
         layouts = [build_decode_layout(torch.tensor(tokens), 2, 4, 16, limit) for limit in limits]
         planned = [backend.prepare(layout, 4, 64, 16, 4, torch.bfloat16, 0.1, owner=owner)
                    for layout, owner in zip(layouts, owners, strict=True)]
         assert all(torch.equal(p.last_page_len, layouts[0].row_last_page_len_host) for p in planned)
-    assert planned[0] is not planned[1] and planned[0].last_page_len is planned[1].last_page_len
-    assert [len(p.wrapper.plans) for p in planned] == [1, 1]  # the later steps refresh the lengths only
+    assert len({id(p) for p in planned}) == 3  # an equal split (the third) keeps its own wrapper too
+    assert planned[0].last_page_len is planned[1].last_page_len is planned[2].last_page_len
+    assert [len(p.wrapper.plans) for p in planned] == [1, 1, 1]  # the later steps refresh the lengths only
     assert [plan.tolist() for plan in planned[1].wrapper.plans] == [[0, 2, 6, 10, 12]]
     assert copies == [1, 1]  # one copy per refreshing step, whatever the number of splits
     dropped = weakref.ref(planned[0])
-    del planned, owners[0]
+    del planned, owners[0], layouts
+    backend.prepare(build_decode_layout(torch.tensor([103, 73]), 2, 4, 16, limits[1]), 4, 64, 16, 4, torch.bfloat16,
+                    0.1, owner=owners[0])  # the backend's last plan no longer the dropped owner's
     assert dropped() is None

@@ -627,17 +627,27 @@ def check_step() -> None:
                                               max_cache_len=ids.shape[1] + 24, principal_bounds=True,
                                               standby_pages=3)
                 loop = greedy_generate(model, ids[0].tolist(), alone, max_new_tokens=24, stop_ids=set())
-                # Each layer with its own split of the pages (head_budgets): its own plan inside the step graphs.
+                # Each layer with its own split of the pages (head_budgets): its own plan inside the step graphs;
+                # and a first layer with its own split before a layer that keeps K for every head (the shared plan
+                # that layer reads must still be refreshed at every step).
                 split = FlexiCache.from_model(model, profile=profile, token_budget=64, rerank_interval=4,
                                               head_budgets="prompt")
+                first_split = FlexiCache.from_model(model, profile=HeadProfile(2, 2, 32, [(0, 0), (0, 1)]),
+                                                    token_budget=64, rerank_interval=4, standby_pages=0,
+                                                    head_budgets="prompt")
                 with skewed_head_budgets():
                     split_tokens = model.generate(ids, attention_mask=mask, past_key_values=split,
                                                   max_new_tokens=24, do_sample=False)
+                    first_split_tokens = model.generate(ids, attention_mask=mask, past_key_values=first_split,
+                                                        max_new_tokens=24, do_sample=False)
                 assert all(layer.storage.row_pages_key for layer in split.layers)
-            tokens[mode], stats[mode] = (first, second, torch.tensor(loop), split_tokens), flexi.stats()
+                assert [bool(layer.storage.row_pages_key) for layer in first_split.layers] == [True, False]
+            tokens[mode] = (first, second, torch.tensor(loop), split_tokens, first_split_tokens)
+            stats[mode] = flexi.stats()
             stats[mode]["grew"], stats[mode]["finished"] = grew, finished
             stats[mode]["loop_replays"] = alone.stats()["step_graph_replays"]
-            stats[mode]["split_replays"] = split.stats()["step_graph_replays"]
+            stats[mode]["split_replays"] = min(split.stats()["step_graph_replays"],
+                                               first_split.stats()["step_graph_replays"])
     graphed = stats["step graphs"]
     assert not problems, problems[:1]
     assert graphed["grew"], "no buffer grew while steps replayed: growth and re-recording went untested"

@@ -188,12 +188,13 @@ class TorchDecode:
             kmin, kmax = storage.meta.rows(storage.unstable_index, width)
             scores = quest_page_scores(storage.bound_rows(query, storage.unstable_index), kmin, kmax,
                                        settings.group_reduce, settings.spread_weight)
-            pages, _ = select_pages(scores, num_pages, 2 * k if settings.exact_rescore else row_k, force_last=True)
+            pages, _ = select_pages(scores, num_pages, 2 * k if settings.exact_rescore else row_k, force_last=True,
+                                    most=storage.table_width)
         slots, lens = storage.resident.page_slots(pages), self._page_lens(pages, num_pages, last_page_len)
         if fits or not settings.exact_rescore:
             return slots, lens
         exact = exact_page_scores(query, storage.pool.k[slots], lens, scale)
-        columns = select_candidates(pages, exact, row_k)
+        columns = select_candidates(pages, exact, row_k, most=storage.table_width)
         listed = columns >= 0
         columns = columns.clamp(min=0)
         return slots.gather(1, columns).masked_fill(~listed, -1), lens.gather(1, columns).masked_fill(~listed, 0)
@@ -233,7 +234,8 @@ class FusedDecode(TorchDecode):
         return fits_fused_table(self.storage.meta.kmin.shape[2])
 
     def table(self, rows_query: torch.Tensor, plan: AppendPlan, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The Triton kernels' ``(slots, page_lens)`` table, ``[B * H, K]`` (same contract as the torch one)."""
+        """The Triton kernels' ``(slots, page_lens)`` table, ``[B * H, K]`` (as wide as the largest row's own ``K``
+        with ``head_budgets="prompt"``; same contract as the torch one)."""
         if not self.fits():
             return super().table(rows_query, plan, scale)
         from flexicache.backends.triton_exact import ExactInputs, exact_decode_table

@@ -8,10 +8,13 @@ prompt's last :data:`WINDOW` queries, summed over the heads: with ``gain[h, k]``
 ``k``-th heaviest page, non-increasing in ``k``, the best split takes the largest gains over all heads
 (:func:`split_budget`).
 
-Each request is split over its own real tokens (a left-padded batch decodes as each request alone). A head's share
-stays within :func:`row_bounds`: at least the sink and the tail page, at most the candidates it chooses from at a
-step (an unstable head's top ``2K`` pages by box score, a stable head's ``K - 1 + C`` working-set pages and tail);
-without standby pages a stable head keeps ``K``.
+Each request is split over its own real tokens (a left-padded batch prefilled in one chunk decodes as each request
+alone). A head's share stays within :func:`row_bounds`: at least the sink and the tail page, at most ``2K`` for an
+unstable head (the candidates exact rescoring chooses from) and ``K + C`` for a stable one (its working set and
+tail); without standby pages a stable head keeps ``K``. The split reads the first prompt chunk only: after a chunked
+prefill it comes from the first chunk (a request whose first chunk holds no more than ``K`` pages keeps ``K``, and a
+left-padded request's first chunk holds fewer of its tokens than alone), and later prompts of a conversation keep it.
+The gains use the softmax scale ``head_dim ** -0.5`` (that of the models measured here).
 """
 
 from __future__ import annotations

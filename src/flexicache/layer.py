@@ -233,8 +233,9 @@ class FlexiLayer(CacheLayerMixin):
     def decode(self, chunk: handoff.StagedChunk, query: torch.Tensor, scale: float) -> torch.Tensor:
         """One decode token: append it, rerank the rows that are due, attend over each row's selected pages.
 
-        Unstable and stable rows list their pages in one ``[B * H, K]`` table over the layer's pool, so the
-        backend runs once per layer with the step's shared layout.
+        Unstable and stable rows list their pages in one ``[B * H, K]`` table over the layer's pool (as wide as the
+        largest row's own ``K`` with ``head_budgets="prompt"``), so the backend runs once per layer with the step's
+        layout.
 
         Args:
             query: ``[B, Hq, 1, D]``; the chunk's keys/values: ``[B, H, 1, D]``.

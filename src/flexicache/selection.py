@@ -71,7 +71,8 @@ def spread_weights(spread_weight: float) -> tuple[float, float]:
 
 
 def select_pages(
-    scores: torch.Tensor, num_pages: torch.Tensor, k: int | torch.Tensor, force_last: bool = True
+    scores: torch.Tensor, num_pages: torch.Tensor, k: int | torch.Tensor, force_last: bool = True,
+    most: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` pages of every row, with the first page (sink) and optionally the last page (tail) forced in.
 
@@ -83,6 +84,7 @@ def select_pages(
         k: pages to select per row (``k >= 2`` when ``force_last``, ``k >= 1`` otherwise): one number for every
             row, or ``[R]`` one per row (``head_budgets="prompt"``; the output is as wide as the largest).
         force_last: also force page ``num_pages - 1`` (the current, partially filled page).
+        most: with ``k`` per row, its largest value where the host knows it (no device sync to read it).
 
     Returns:
         ``(pages, page_scores)``, both ``[R, min(k, P)]``: selected page indices in ascending order (so the tail,
@@ -92,7 +94,7 @@ def select_pages(
     num_rows, width = scores.shape
     row_k = None
     if isinstance(k, torch.Tensor):
-        row_k, k = k.to(scores.device).view(-1, 1), int(k.max()) if k.numel() else 0
+        row_k, k = k.to(scores.device).view(-1, 1), most if most is not None else int(k.max()) if k.numel() else 0
     k = min(k, width)
     if k == 0:
         empty = torch.empty(num_rows, 0, dtype=torch.long, device=scores.device)
@@ -137,14 +139,15 @@ def exact_page_scores(query: torch.Tensor, keys: torch.Tensor, page_lens: torch.
     return share.logsumexp(dim=1).nan_to_num(nan=float("-inf"), neginf=float("-inf"))  # no tokens: NaN -> -inf
 
 
-def select_candidates(candidates: torch.Tensor, scores: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
-    """``[R, min(k, W)]`` the columns of the ``k`` (``[R]``: per row) best of every row's ``candidates [R, W]`` by
-    ``scores [R, W]``,
+def select_candidates(candidates: torch.Tensor, scores: torch.Tensor, k: int | torch.Tensor, most: int | None = None
+                      ) -> torch.Tensor:
+    """``[R, min(k, W)]`` the columns of the ``k`` (``[R]``: per row, at most ``most``) best of every row's
+    ``candidates [R, W]`` by ``scores [R, W]``,
     in ascending order with ``-1`` padding at the end. The candidates are pages as :func:`select_pages` lists them
     (ascending, ``-1`` padding last, sink and tail included): the first and the last listed are forced in and ties
     go to the lower page, so the pages chosen are those :func:`select_pages` chooses from a page-indexed row holding
     ``scores`` at the candidates and ``-inf`` elsewhere."""
-    columns, _ = select_pages(scores, (candidates >= 0).sum(dim=1), k, force_last=True)
+    columns, _ = select_pages(scores, (candidates >= 0).sum(dim=1), k, force_last=True, most=most)
     return columns
 
 

@@ -185,9 +185,12 @@ class StepGraphStore:
         return reranks, plan
 
     def _planning_layers(self) -> list[StepLayer]:
-        """The layers whose device inputs a step prepares: the first (the step's shared inputs and plan) and every
-        layer with a plan of its own (its split of the pages, ``head_budgets="prompt"``)."""
-        return [self.layers[0], *(layer for layer in self.layers[1:] if layer.plans_own_step)]
+        """The layers whose device inputs a step prepares: the first layer that reads the layers' shared plan (it
+        also loads the step's shared inputs) and every layer with a plan of its own (its split of the pages,
+        ``head_budgets="prompt"``); at least one layer."""
+        own = [layer for layer in self.layers if layer.plans_own_step]
+        shared = next((layer for layer in self.layers if not layer.plans_own_step), None)
+        return own if shared is None else [shared, *own]
 
     def _reranks_due(self, plan: AppendPlan) -> tuple[bool, ...]:
         return tuple(layer.rerank_due(plan) for layer in self.layers)

@@ -19,7 +19,6 @@ class DecodeLayout:
 
     row_indptr_host: torch.Tensor  # [R + 1] int32, CPU
     row_last_page_len_host: torch.Tensor  # [R] int32, CPU
-    row_limits: tuple[int, ...] | None = None  # each row's own K (head_budgets="prompt"); None: the same K for all
 
 
 def build_decode_layout(num_tokens_host: torch.Tensor, num_kv_heads: int, pages_per_head: int, page_size: int,
@@ -32,7 +31,7 @@ def build_decode_layout(num_tokens_host: torch.Tensor, num_kv_heads: int, pages_
     row_indptr = torch.zeros(row_pages.numel() + 1, dtype=torch.int32)
     torch.cumsum(row_pages, 0, out=row_indptr[1:])
     last_page_len = ((num_tokens_host - 1) % page_size + 1).repeat_interleave(num_kv_heads).to(torch.int32)
-    return DecodeLayout(row_indptr, last_page_len, None if row_limits is None else tuple(row_limits.tolist()))
+    return DecodeLayout(row_indptr, last_page_len)
 
 
 class DecodeBackend(Protocol):

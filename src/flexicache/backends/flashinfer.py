@@ -2,10 +2,11 @@
 
 Every row attends to ``min(K, pages)`` pages, a count that depends only on the request's length, so all layers of
 one step share the plan (built from host-side lengths, no device sync), and once every row is at the budget the
-steps after it reuse that plan (:meth:`FlashInferBackend.prepare`). The wrappers run in FlashInfer's
-CUDA-graph mode: their index, row-offset and last-page buffers never move, so a layer's decode can be captured
-once and replayed after every later plan. Each layer writes its page slots into the shared index buffer before
-it runs.
+steps after it reuse that plan (:meth:`FlashInferBackend.prepare`). A layer with its own split of the pages across
+its heads (``head_budgets="prompt"``: ``min(K_r, pages)`` per row) keeps a wrapper and plan of its own. The wrappers
+run in FlashInfer's CUDA-graph mode: their index, row-offset and last-page buffers never move, so a layer's decode can
+be captured once and replayed after every later plan. Each layer writes its page slots into its wrapper's index
+buffer before it runs.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class PlannedDecode:
     indptr: torch.Tensor
     last_page_len: torch.Tensor
     planned_for: tuple | None = None  # (settings, row indptr on the CPU) of the wrapper's current plan
+    plan_staged: torch.cuda.Event | None = None  # recorded after the wrapper's last plan() queued its copy
 
 
 @dataclass(eq=False)
@@ -92,7 +94,6 @@ class FlashInferBackend:
         self._flashinfer = flashinfer
         self._plan_key: tuple | None = None
         self._current: PlannedDecode | None = None
-        self._plan_staged: torch.cuda.Event | None = None  # recorded after the last plan()'s copy to the device
         self.reuses_plans = getattr(flashinfer, "__version__", "").startswith(PLAN_REUSE_RELEASES)
 
     def _tensor_cores(self, group: int) -> bool:
@@ -111,8 +112,10 @@ class FlashInferBackend:
             with torch.inference_mode(False):
                 shared = None
                 if owner is not None:  # every split's wrapper reads one buffer of the step's last-page lengths
-                    shared = self._split_last_page_len.setdefault(
-                        rows, SharedLengths(torch.zeros(rows, dtype=torch.int32, device=self.device))).buffer
+                    if rows not in self._split_last_page_len:
+                        self._split_last_page_len[rows] = SharedLengths(
+                            torch.zeros(rows, dtype=torch.int32, device=self.device))
+                    shared = self._split_last_page_len[rows].buffer
                 steps[key] = self._new_planned_step(rows, pages_per_head, tensor_cores, shared)
         return steps[key]
 
@@ -143,7 +146,7 @@ class FlashInferBackend:
         """
         tensor_cores = self._tensor_cores(group)
         settings = (group, head_dim, page_size, pages_per_head, dtype, scale, tensor_cores)
-        key = (layout, *settings)
+        key = (layout, id(owner), *settings)  # layers with equal splits share a layout, each keeps its own plan
         if self._plan_key == key:
             return self._current
         planned = self._planned_step(layout.row_last_page_len_host.numel(), pages_per_head, tensor_cores, owner)
@@ -157,10 +160,11 @@ class FlashInferBackend:
                 planned.last_page_len.copy_(layout.row_last_page_len_host.pin_memory(), non_blocking=True)
         else:
             total = int(layout.row_indptr_host[-1])
-            # plan() stages its schedule in one page-locked buffer and copies it to the device asynchronously: the
-            # last plan's copy must have left that buffer (a plan may be made while earlier steps still run).
-            if self._plan_staged is not None:
-                self._plan_staged.synchronize()
+            # plan() stages its schedule in its wrapper's page-locked buffer and copies it to the device
+            # asynchronously: that wrapper's last copy must have left the buffer (a plan may be made while earlier
+            # steps still run).
+            if planned.plan_staged is not None:
+                planned.plan_staged.synchronize()
             with torch.inference_mode(False):  # plan() writes (and may first make) the wrapper's own buffers
                 planned.wrapper.plan(
                     layout.row_indptr_host, planned.indices[:total], layout.row_last_page_len_host,
@@ -168,8 +172,8 @@ class FlashInferBackend:
                 )
             planned.planned_for = (settings, layout.row_indptr_host)
             if self.device.type == "cuda":  # on this device's stream, where plan() queued its copy
-                self._plan_staged = self._plan_staged or torch.cuda.Event()
-                self._plan_staged.record(torch.cuda.current_stream(self.device))
+                planned.plan_staged = planned.plan_staged or torch.cuda.Event()
+                planned.plan_staged.record(torch.cuda.current_stream(self.device))
         if shared is not None:
             shared.loaded = layout.row_last_page_len_host
         self._plan_key, self._current = key, planned
