@@ -418,6 +418,11 @@ PY
                 --tasks passkey niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 \
                 --method budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt \
                 --out "$root/levers/synthetic-8k-head-budgets-online"
+            eval_cpu --model smollm2 --suite ppl --page-size 8 --profile online \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 3072 --prefill 1024 \
+                --method budget=384,exact_rescore=true,standby_pages=48,head_budgets=prompt \
+                budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt \
+                --out "$root/levers/ppl-3k-decode-2k-head-budgets-online"
             echo "+ levers: niah_single_1 4k"
             eval_cpu --model smollm2 --suite synthetic \
                 --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 --oracle \
