@@ -183,6 +183,11 @@ for model in ${models[@]}; do
                 budget=160,exact_rescore=true,standby_pages=20,head_budgets=prompt \
                 --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24 \
                 --out "$root/levers/qwen2.5-coder-lcc-3k-head-budgets-online"
+            eval_cpu --model qwen2.5-coder --suite synthetic \
+                --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
+                --page-size 8 --profile online \
+                --method budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt \
+                --out "$root/levers/qwen2.5-coder-synthetic-8k-head-budgets-online"
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/synthetic-8k" 1024 512 -- --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24
             eval_rows qwen2.5-coder "$root/qwen2.5-coder/lcc-8k" 1024 512 budget=1024,rerank_warmup=16 \
@@ -423,6 +428,11 @@ PY
                 --method budget=384,exact_rescore=true,standby_pages=48,head_budgets=prompt \
                 budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt \
                 --out "$root/levers/ppl-3k-decode-2k-head-budgets-online"
+            eval_cpu --model smollm2 --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 \
+                --method budget=48,exact_rescore=true,standby_pages=6,head_budgets=prompt \
+                budget=48,page_size=4,exact_rescore=true,standby_pages=12,head_budgets=prompt \
+                --out "$root/levers/ppl-1.5k-32-head-budgets"
             echo "+ levers: niah_single_1 4k"
             eval_cpu --model smollm2 --suite synthetic \
                 --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 --oracle \

@@ -127,6 +127,7 @@ class StepLayerStandIn:
 
     recording = False
     device = torch.device("cpu")
+    plans_own_step = False
 
     def graphed_step_ready(self, next_pages: int) -> bool:
         return True
