@@ -178,8 +178,7 @@ class TorchDecode:
         page_size, num_heads, k = settings.page_size, len(storage.unstable_heads), settings.pages_per_head
         num_pages = per_row((plan.after + page_size - 1) // page_size, num_heads)
         width = plan.max_pages_after
-        uniform = storage.row_pages_key is None
-        row_k = k if uniform else row_pages
+        row_k = k if storage.row_pages_key is None else row_pages
         fits = width <= storage.fewest_pages
         if fits:  # every page fits in every row's budget: no scoring needed
             pages = torch.arange(width, device=query.device).expand(query.shape[0], width)

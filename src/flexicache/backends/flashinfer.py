@@ -38,6 +38,18 @@ def flashinfer_available() -> bool:
 
 
 @dataclass(eq=False)
+class SharedLengths:
+    """The device buffer of the last-page lengths that the wrappers of every split (``head_budgets="prompt"``, one
+    per layer) read, and the host values last copied into it: the lengths are the same in every layer of a step."""
+
+    buffer: torch.Tensor  # int32 [R] on the device
+    loaded: torch.Tensor | None = None  # int32 [R] on the CPU
+
+    def holds(self, lengths: torch.Tensor) -> bool:
+        return self.loaded is not None and torch.equal(self.loaded, lengths)
+
+
+@dataclass(eq=False)
 class PlannedDecode:
     """A planned step: the wrapper and the buffers a layer fills before :meth:`FlashInferBackend.run_prepared`.
 
@@ -53,18 +65,7 @@ class PlannedDecode:
     last_page_len: torch.Tensor
     planned_for: tuple | None = None  # (settings, row indptr on the CPU) of the wrapper's current plan
     plan_staged: torch.cuda.Event | None = None  # recorded after the wrapper's last plan() queued its copy
-
-
-@dataclass(eq=False)
-class SharedLengths:
-    """The device buffer of the last-page lengths that the wrappers of every split (``head_budgets="prompt"``, one
-    per layer) read, and the host values last copied into it: the lengths are the same in every layer of a step."""
-
-    buffer: torch.Tensor  # int32 [R] on the device
-    loaded: torch.Tensor | None = None  # int32 [R] on the CPU
-
-    def holds(self, lengths: torch.Tensor) -> bool:
-        return self.loaded is not None and torch.equal(self.loaded, lengths)
+    shared_lengths: SharedLengths | None = None  # a split's wrapper: the last-page lengths it shares with the others
 
 
 class FlashInferBackend:
@@ -115,22 +116,22 @@ class FlashInferBackend:
                     if rows not in self._split_last_page_len:
                         self._split_last_page_len[rows] = SharedLengths(
                             torch.zeros(rows, dtype=torch.int32, device=self.device))
-                    shared = self._split_last_page_len[rows].buffer
+                    shared = self._split_last_page_len[rows]
                 steps[key] = self._new_planned_step(rows, pages_per_head, tensor_cores, shared)
         return steps[key]
 
     def _new_planned_step(self, rows: int, pages_per_head: int, tensor_cores: bool,
-                          last_page_len: torch.Tensor | None = None) -> PlannedDecode:
+                          shared_lengths: SharedLengths | None = None) -> PlannedDecode:
         indptr = torch.zeros(rows + 1, dtype=torch.int32, device=self.device)
         indices = torch.zeros(rows * pages_per_head + 1, dtype=torch.int32, device=self.device)
-        if last_page_len is None:
-            last_page_len = torch.zeros(rows, dtype=torch.int32, device=self.device)
+        last_page_len = (torch.zeros(rows, dtype=torch.int32, device=self.device) if shared_lengths is None
+                         else shared_lengths.buffer)
         wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
             paged_kv_last_page_len_buffer=last_page_len, backend="fa2",
         )
-        return PlannedDecode(wrapper, indices, indptr, last_page_len)
+        return PlannedDecode(wrapper, indices, indptr, last_page_len, shared_lengths=shared_lengths)
 
     def prepare(self, layout: DecodeLayout, group: int, head_dim: int, page_size: int, pages_per_head: int,
                 dtype: torch.dtype, scale: float, owner: object | None = None) -> PlannedDecode:
@@ -152,9 +153,7 @@ class FlashInferBackend:
         planned = self._planned_step(layout.row_last_page_len_host.numel(), pages_per_head, tensor_cores, owner)
         same_pages = (self.reuses_plans and planned.planned_for is not None and planned.planned_for[0] == settings
                       and torch.equal(planned.planned_for[1], layout.row_indptr_host))
-        shared = self._split_last_page_len.get(layout.row_last_page_len_host.numel())
-        if shared is None or shared.buffer is not planned.last_page_len:
-            shared = None
+        shared = planned.shared_lengths
         if same_pages:
             if shared is None or not shared.holds(layout.row_last_page_len_host):  # a split's: once per step
                 planned.last_page_len.copy_(layout.row_last_page_len_host.pin_memory(), non_blocking=True)
