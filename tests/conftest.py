@@ -461,8 +461,9 @@ def expected_decode(driver: Driver, cache: FlexiCache, layer_idx: int, reranked:
 
             if head in layer.unstable_heads:
                 pages = reference_topk(scores, num_pages, k, force_last=True)
-                if settings.exact_rescore and num_pages > k:  # the K of most mass among the top 2K by box score
-                    candidates = reference_topk(scores, num_pages, 2 * settings.pages_per_head, force_last=True)
+                if settings.exact_rescore and num_pages > k:  # the K of most mass among the candidates
+                    candidates = reference_topk(scores, num_pages, settings.exact_candidates * settings.pages_per_head,
+                                                force_last=True)
                     chosen = reference_topk(exact_mass(candidates), len(candidates), k, force_last=True)
                     pages = [candidates[column] for column in chosen]
             else:

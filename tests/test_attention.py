@@ -31,15 +31,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("exact", [True, False], ids=["exact", "box"])
+@pytest.mark.parametrize("exact,candidates", [(True, 2), (True, 3), (False, 2)], ids=["exact", "exact-3K", "box"])
 @pytest.mark.parametrize("principal", [False, True], ids=["model-axes", "principal-axes"])
 @pytest.mark.parametrize("page_size,budget,group,lengths,interval,reduce,unstable,standby", CASES)
 def test_sparse_decode_equals_dense_over_selected_pages(page_size, budget, group, lengths, interval, reduce,
-                                                        unstable, standby, principal, exact):
+                                                        unstable, standby, principal, exact, candidates):
     config = tiny_config(group=group, num_kv_heads=2, num_layers=3, head_dim=8)
     cache = checked(FlexiCache(config, profile=HeadProfile(3, 2, 8, unstable), token_budget=budget,
                                page_size=page_size, rerank_interval=interval, group_reduce=reduce,
-                               principal_bounds=principal, standby_pages=standby, exact_rescore=exact))
+                               principal_bounds=principal, standby_pages=standby, exact_rescore=exact,
+                               exact_candidates=candidates))
     driver = Driver(config, cache, seed=sum(lengths))
     driver.prefill(lengths)
     since = [layer_idx % interval for layer_idx in range(3)]  # reranks are staggered by layer

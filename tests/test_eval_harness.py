@@ -618,6 +618,28 @@ def test_resume_refuses_another_sample_count_where_samples_depend_on_it(tmp_path
     _check_resume(tmp_path / "lb", args("longbench", 6))  # a prefix of the same records: more samples resume
 
 
+def test_resume_reads_settings_a_folder_predates_as_what_it_ran(tmp_path):
+    """A folder whose config.json predates a setting (exact_candidates, head_budgets) ran with its value of then:
+    resuming with that value works, with another it is refused."""
+    import argparse
+    import json
+
+    from flexicache.evaluation.cli import IDENTITY_BEFORE_RECORDED, _check_resume
+
+    def args(**settings) -> argparse.Namespace:
+        return argparse.Namespace(suite="ppl", model="m", page_size=8, **settings)
+
+    for name, before in IDENTITY_BEFORE_RECORDED.items():
+        folder = tmp_path / name
+        _check_resume(folder, args())
+        recorded = json.loads((folder / "config.json").read_text())
+        assert name not in recorded  # as a folder written before the setting existed
+        _check_resume(folder, args(**{name: before}))
+        (folder / "config.json").write_text(json.dumps(recorded))
+        with pytest.raises(SystemExit, match=name):
+            _check_resume(folder, args(**{name: 3 if isinstance(before, int) else "other"}))
+
+
 # ----------------------------------------------------------------------------------------------- FlexiCache
 def test_flexicache_with_full_budget_equals_dense(tiny_tokenizer, tmp_path):
     from flexicache import FlexiCache

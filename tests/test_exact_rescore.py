@@ -119,15 +119,23 @@ def test_exact_rescore_must_be_a_bool():
         FlexiCacheConfig(exact_rescore="yes")
 
 
+@pytest.mark.parametrize("candidates", [0, 9, 2.5, "3", True])
+def test_exact_candidates_must_be_a_multiple_of_k_from_1_to_8(candidates):
+    with pytest.raises(ValueError, match="exact_candidates"):
+        FlexiCacheConfig(exact_candidates=candidates)
+    assert FlexiCacheConfig(token_budget=64, page_size=8, exact_candidates=3).candidate_pages == 24
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_triton_kernels_choose_what_the_torch_path_chooses():
+@pytest.mark.parametrize("candidates", [2, 3])
+def test_on_cuda_the_triton_kernels_choose_what_the_torch_path_chooses(candidates):
     """On CUDA the option runs in the Triton kernels: with the torch reference backend in float64 (the fused eager
     path) it generates what the CPU's torch path generates (logits to 1e-4); with FlashInfer in bfloat16 its
     whole-step graphs generate what the same kernels generate launched one by one."""
     config = tiny_config("llama", group=2, num_kv_heads=2, num_layers=2, head_dim=64)
     prompt = random_prompt(300, seed=11).view(1, -1)
     settings = {"profile": mixed_profile(config), "token_budget": 64, "page_size": 8, "standby_pages": 2,
-                "exact_rescore": True}
+                "exact_rescore": True, "exact_candidates": candidates}
     runs = []
     for device in ("cpu", "cuda"):
         model = tiny_model(config, seed=4).to(device)

@@ -129,15 +129,16 @@ def test_per_row_k_selects_what_each_row_selects_with_its_own_k(rows, width, see
         assert torch.equal(chosen[row], attended_slots(scores[row:row + 1], selected[row:row + 1], int(counts[row]))[0])
 
 
-@pytest.mark.parametrize("exact", [True, False], ids=["exact", "box"])
+@pytest.mark.parametrize("exact,candidates", [(True, 2), (True, 3), (False, 2)], ids=["exact", "exact-3K", "box"])
 @pytest.mark.parametrize("standby", [0, "auto"])
-def test_decode_equals_dense_attention_over_each_rows_own_pages(exact, standby):
+def test_decode_equals_dense_attention_over_each_rows_own_pages(exact, candidates, standby):
     """Random q/k/v through every layer: each row attends to its own ``K_r`` pages (the backend contract holds:
     ``min(K_r, pages)`` listed, the tail last), and the output is dense attention over exactly those (fp64)."""
     config = tiny_config(group=2, num_kv_heads=3, num_layers=3, head_dim=8)
     profile = HeadProfile(3, 3, 8, [(0, 0), (0, 1), (0, 2), (1, 2)])
     cache = checked(FlexiCache(config, profile=profile, token_budget=32, page_size=4, rerank_interval=3,
-                               standby_pages=standby, exact_rescore=exact, head_budgets="prompt"))
+                               standby_pages=standby, exact_rescore=exact, exact_candidates=candidates,
+                               head_budgets="prompt"))
     driver = Driver(config, cache, seed=11)
     # Head 0's prompt keys sharpen its attention (its mass sits on few pages), head 2's flatten it.
     sharpness = torch.tensor([4.0, 1.0, 0.25], dtype=torch.float64).view(1, 3, 1, 1)

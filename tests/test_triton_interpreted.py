@@ -113,23 +113,27 @@ def check_table() -> None:
     budget, stable rows (attending to all their working set, or with standby pages to its best), max and sum over the
     GQA group, Quest's bound and a down-weighted spread, random and all-zero queries (ties everywhere); pages chosen
     by their boxes or (``exact_rescore``) by their keys' attention mass, with box axes rotated or not (the exact
-    scores read the stored keys); every row its own number of pages (``head_budgets="prompt"``)."""
+    scores read the stored keys, among 1, 2 or 3 K candidates); every row its own number of pages
+    (``head_budgets="prompt"``)."""
     from flexicache import FlexiCache, HeadProfile
     from flexicache.decode_paths import FusedDecode, TorchDecode
 
     model = tiny_model()
-    for unstable, principal, standby, exact, budgets in (
-            ([(0, 0), (1, 1)], False, 0, False, "uniform"), ([(0, 0), (0, 1)], False, 0, False, "uniform"),
-            ([], False, 0, False, "uniform"), ([(0, 0), (1, 1)], True, 0, False, "uniform"),
-            ([(1, 1)], True, 3, False, "uniform"), ([(0, 0), (1, 1)], False, 0, True, "uniform"),
-            ([(1, 1)], False, 3, True, "uniform"), ([], False, 2, True, "uniform"),
-            ([(0, 0)], True, 3, True, "uniform"), ([(0, 0), (0, 1)], False, 0, True, "prompt"),
-            ([(1, 1)], False, 8, True, "prompt"), ([(0, 0)], True, 8, False, "prompt"),
-            ([(0, 0), (1, 0), (1, 1)], False, 0, False, "prompt")):
+    for unstable, principal, standby, exact, budgets, candidates in (
+            ([(0, 0), (1, 1)], False, 0, False, "uniform", 2), ([(0, 0), (0, 1)], False, 0, False, "uniform", 2),
+            ([], False, 0, False, "uniform", 2), ([(0, 0), (1, 1)], True, 0, False, "uniform", 2),
+            ([(1, 1)], True, 3, False, "uniform", 2), ([(0, 0), (1, 1)], False, 0, True, "uniform", 2),
+            ([(1, 1)], False, 3, True, "uniform", 2), ([], False, 2, True, "uniform", 2),
+            ([(0, 0)], True, 3, True, "uniform", 2), ([(0, 0), (0, 1)], False, 0, True, "prompt", 2),
+            ([(1, 1)], False, 8, True, "prompt", 2), ([(0, 0)], True, 8, False, "prompt", 2),
+            ([(0, 0), (1, 0), (1, 1)], False, 0, False, "prompt", 2),
+            ([(0, 0), (1, 1)], False, 0, True, "uniform", 3), ([(0, 0), (0, 1)], True, 8, True, "prompt", 3),
+            ([(1, 0)], False, 0, True, "uniform", 1)):
         profile = HeadProfile(num_layers=2, num_kv_heads=2, head_dim=32, unstable_heads=unstable)
         ids, mask = padded_batch()
         cache = FlexiCache.from_model(model, profile=profile, token_budget=64, principal_bounds=principal,
-                                      standby_pages=standby, exact_rescore=exact, head_budgets=budgets)
+                                      standby_pages=standby, exact_rescore=exact, exact_candidates=candidates,
+                                      head_budgets=budgets)
         with torch.inference_mode(), skewed_head_budgets():
             model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=21, do_sample=False)
         assert budgets == "uniform" or any(layer.storage.row_pages_key for layer in cache.layers)
@@ -144,7 +148,7 @@ def check_table() -> None:
                         expected = listed_pages(TorchDecode(layer.storage, layer.backend).table(rows_query, plan,
                                                                                                  32 ** -0.5))
                         fused = FusedDecode(layer.storage, layer.backend).table(rows_query, plan, 32 ** -0.5)
-                        assert listed_pages(fused) == expected, (unstable, standby, exact, reduce, spread)
+                        assert listed_pages(fused) == expected, (unstable, standby, exact, candidates, reduce, spread)
 
 
 @triton.jit

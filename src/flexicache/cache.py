@@ -65,24 +65,24 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
             all) estimated from the prompt at the first prefill (:mod:`flexicache.head_split`); ``"default"``:
             :meth:`HeadProfile.default`.
         token_budget, page_size, rerank_interval, rerank_warmup, max_promotions, standby_pages, group_reduce,
-            spread_weight, principal_bounds, exact_rescore, head_budgets, backend, cuda_graphs, max_cache_len,
-            host_dtype: see
-            :class:`FlexiCacheConfig`.
+            spread_weight, principal_bounds, exact_rescore, exact_candidates, head_budgets, backend, cuda_graphs,
+            max_cache_len, host_dtype: see :class:`FlexiCacheConfig`.
     """
 
     def __init__(self, config: Any, profile: HeadProfile | str | os.PathLike | None = None, token_budget: int = 2048,
                  page_size: int = 8, rerank_interval: int = 16, rerank_warmup: int = 0,
                  max_promotions: int | None = None, standby_pages: int | str = "auto", group_reduce: str = "max",
                  spread_weight: float = 0.5, principal_bounds: bool = True, exact_rescore: bool = True,
-                 head_budgets: str = "uniform", backend: str = "auto", cuda_graphs: bool = True,
-                 max_cache_len: int | None = None, host_dtype: str = "auto") -> None:
+                 exact_candidates: int = 2, head_budgets: str = "uniform", backend: str = "auto",
+                 cuda_graphs: bool = True, max_cache_len: int | None = None, host_dtype: str = "auto") -> None:
         self.settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size,
                                          rerank_interval=rerank_interval, rerank_warmup=rerank_warmup,
                                          max_promotions=max_promotions, standby_pages=standby_pages,
                                          group_reduce=group_reduce, spread_weight=spread_weight,
                                          principal_bounds=principal_bounds, exact_rescore=exact_rescore,
-                                         head_budgets=head_budgets, backend=backend, cuda_graphs=cuda_graphs,
-                                         max_cache_len=max_cache_len, host_dtype=host_dtype)
+                                         exact_candidates=exact_candidates, head_budgets=head_budgets,
+                                         backend=backend, cuda_graphs=cuda_graphs, max_cache_len=max_cache_len,
+                                         host_dtype=host_dtype)
         check_supported_model(config)
         if backend == "flashinfer":
             from flexicache.backends.flashinfer import flashinfer_available

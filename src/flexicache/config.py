@@ -13,6 +13,7 @@ HostDtypeName = Literal["auto", "float8_e4m3fn"]
 StandbyName = Literal["auto", "quarter"]
 HeadBudgetsName = Literal["uniform", "prompt"]
 STANDBY_NAMES: tuple[str, ...] = get_args(StandbyName)  # standby_pages spelled as a share of K
+MAX_EXACT_CANDIDATES = 8  # an unstable head's exact-rescoring candidates, in multiples of K
 MAX_WORKING_SET_SLOTS = 4096  # K + C: device slots per stable head (the fused rerank holds them in registers)
 
 
@@ -56,11 +57,15 @@ class FlexiCacheConfig:
             keys at every step (in the fused kernels on CUDA, :mod:`flexicache.backends.triton_exact`: 1.07x the
             decode step of ``False`` with ``standby_pages="quarter"``, 1.12x with the default's K standby pages,
             BENCHMARKS.md). ``False``: the pages of the best box scores (Quest's way).
+        exact_candidates: an unstable head's candidates for ``exact_rescore``, in multiples of ``K``: its top
+            ``exact_candidates * K`` pages by box score (2 by default), whose keys it reads at every step. More
+            candidates leave out fewer of the pages of most attention mass that the boxes rank low.
         head_budgets: how many pages each KV head attends to. ``"uniform"`` (the default): ``K`` for every head (the
             paper's). ``"prompt"``: each request's ``H * K`` pages of a layer split across its KV heads once, from the
             attention of the first prompt chunk's last queries (:mod:`flexicache.head_budgets`: a head of spread
             attention takes pages from one whose attention sits on a few; each head between 2 pages and the
-            candidates it chooses from, ``2K`` or ``K + C``), fixed for the decode: the same pages and bytes in all,
+            candidates it chooses from, :attr:`candidate_pages` or ``K + C``), fixed for the decode: the same pages
+            and bytes in all,
             closer to dense on the CPU (SmolLM2 perplexity 1.021 and 1.026 of dense at 1/8 against 1.024 and 1.033,
             eval/RESULTS.md); on CUDA one FlashInfer plan per layer (its final form not yet run or timed on a GPU,
             so not yet the default). A layer with one KV head keeps ``K``.
@@ -93,6 +98,7 @@ class FlexiCacheConfig:
     spread_weight: float = 0.5
     principal_bounds: bool = True
     exact_rescore: bool = True
+    exact_candidates: int = 2
     head_budgets: HeadBudgetsName = "uniform"
     backend: BackendName = "auto"
     cuda_graphs: bool = True
@@ -145,6 +151,10 @@ class FlexiCacheConfig:
             raise ValueError(f"principal_bounds must be True or False, got {self.principal_bounds!r}.")
         if not isinstance(self.exact_rescore, bool):
             raise ValueError(f"exact_rescore must be True or False, got {self.exact_rescore!r}.")
+        exact_candidates = integer_argument(self.exact_candidates, "exact_candidates", "a multiple of K, 1 to 8")
+        if not 1 <= exact_candidates <= MAX_EXACT_CANDIDATES:
+            raise ValueError(f"exact_candidates must be 1 to {MAX_EXACT_CANDIDATES} (an unstable head's candidates "
+                             f"in multiples of K), got {self.exact_candidates!r}.")
         if not isinstance(self.head_budgets, str) or self.head_budgets not in get_args(HeadBudgetsName):
             raise ValueError(f"head_budgets must be 'uniform' (K pages per head) or 'prompt' (split across each "
                              f"layer's heads at the prompt), got {self.head_budgets!r}.")
@@ -153,7 +163,8 @@ class FlexiCacheConfig:
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}.")
         for name, value in (("page_size", page_size), ("token_budget", token_budget),
-                            ("rerank_interval", rerank_interval), ("rerank_warmup", rerank_warmup)):
+                            ("rerank_interval", rerank_interval), ("rerank_warmup", rerank_warmup),
+                            ("exact_candidates", exact_candidates)):
             object.__setattr__(self, name, value)
         if self.max_cache_len is not None:
             object.__setattr__(self, "max_cache_len", _positive_tokens(self.max_cache_len))
@@ -174,6 +185,11 @@ class FlexiCacheConfig:
     def pages_per_head(self) -> int:
         """K: pages each KV head attends to at decode."""
         return self.token_budget // self.page_size
+
+    @property
+    def candidate_pages(self) -> int:
+        """Pages an unstable head chooses from with ``exact_rescore``: ``exact_candidates * K``."""
+        return self.exact_candidates * self.pages_per_head
 
     @property
     def num_standby_pages(self) -> int:

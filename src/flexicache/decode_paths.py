@@ -173,7 +173,7 @@ class TorchDecode:
                             row_pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-``k`` pages (sink and tail forced) of every unstable row, ``k`` its ``row_pages [B * hu]``: ``(slots,
         page_lens)``, ``[B * hu, max k]``; with ``exact_rescore`` the ``k`` of most attention mass among the top
-        ``2K`` by box score."""
+        ``exact_candidates * K`` by box score."""
         storage, settings = self.storage, self.settings
         page_size, num_heads, k = settings.page_size, len(storage.unstable_heads), settings.pages_per_head
         num_pages = per_row((plan.after + page_size - 1) // page_size, num_heads)
@@ -187,8 +187,8 @@ class TorchDecode:
             kmin, kmax = storage.meta.rows(storage.unstable_index, width)
             scores = quest_page_scores(storage.bound_rows(query, storage.unstable_index), kmin, kmax,
                                        settings.group_reduce, settings.spread_weight)
-            pages, _ = select_pages(scores, num_pages, 2 * k if settings.exact_rescore else row_k, force_last=True,
-                                    most=storage.table_width)
+            listed = settings.candidate_pages if settings.exact_rescore else row_k
+            pages, _ = select_pages(scores, num_pages, listed, force_last=True, most=storage.table_width)
         slots, lens = storage.resident.page_slots(pages), self._page_lens(pages, num_pages, last_page_len)
         if fits or not settings.exact_rescore:
             return slots, lens
@@ -266,6 +266,7 @@ class FusedDecode(TorchDecode):
             storage.unstable_index, storage.stable_index,
             offloaded.base if offloaded else 0, settings.pages_per_head, settings.page_size, settings.group_reduce,
             settings.spread_weight, storage.row_pages, storage.table_width, storage.fewest_pages,
+            settings.candidate_pages,
         )
 
 

@@ -9,9 +9,9 @@ prompt's last :data:`WINDOW` queries, summed over the heads: with ``gain[h, k]``
 (:func:`split_budget`).
 
 Each request is split over its own real tokens (a left-padded batch prefilled in one chunk decodes as each request
-alone). A head's share stays within :func:`row_bounds`: at least the sink and the tail page, at most ``2K`` for an
-unstable head (the candidates exact rescoring chooses from) and ``K + C`` for a stable one (its working set and
-tail); without standby pages a stable head keeps ``K``. The split reads the first prompt chunk only: after a chunked
+alone). A head's share stays within :func:`row_bounds`: at least the sink and the tail page, at most what it chooses
+from: an unstable head's candidates (``exact_candidates * K``), a stable head's working set and tail (``K + C``);
+without standby pages a stable head keeps ``K``. The split reads the first prompt chunk only: after a chunked
 prefill it comes from the first chunk (a request whose first chunk holds no more than ``K`` pages keeps ``K``, and a
 left-padded request's first chunk holds fewer of its tokens than alone), and later prompts of a conversation keep it.
 The gains use the softmax scale ``head_dim ** -0.5`` (that of the models measured here).
@@ -95,7 +95,7 @@ def row_bounds(settings: FlexiCacheConfig, unstable: torch.Tensor) -> tuple[torc
     marked in ``unstable [H]`` (bool) and the others (stable; without standby pages these keep ``K``)."""
     k, standby = settings.pages_per_head, settings.num_standby_pages
     low = torch.full(unstable.shape, 2, dtype=torch.long)
-    high = torch.where(unstable, 2 * k, k + standby)
+    high = torch.where(unstable, settings.candidate_pages, k + standby)
     if not standby:
         low = torch.where(unstable, low, k)
     return low, high

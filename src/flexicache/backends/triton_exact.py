@@ -3,9 +3,9 @@ decode table (CUDA-graph capturable, like :mod:`flexicache.backends.triton_selec
 
 Two launches per layer and step between the table's box scoring and its page list:
 
-- ``_candidates_kernel`` (grid: unstable row): list the pool slots and token counts of the row's top ``2K`` pages by
-  box score (sink and tail among them: their scores are ``+inf``) in ascending page order (none where every row
-  lists every page);
+- ``_candidates_kernel`` (grid: unstable row): list the pool slots and token counts of the row's top
+  ``exact_candidates * K`` pages by box score (sink and tail among them: their scores are ``+inf``) in ascending page
+  order (none where every row lists every page);
 - ``_page_mass_kernel`` (grid: row x block of listed pages): each query head's log2 attention mass of every listed
   page (``log2 sum_t 2^(q . k_t * scale * log2(e))``) from the pool's keys: an unstable row's candidates, a stable
   row's working set (``K - 1 + C`` slots, with standby pages).
@@ -60,25 +60,26 @@ def exact_decode_table(inputs: TableInputs, exact: ExactInputs, scores: torch.Te
 
 
 def page_masses(inputs: TableInputs, exact: ExactInputs, scores: torch.Tensor) -> None:
-    """Fill the scratch's candidates (the unstable rows' top ``2K`` by box ``scores [B * hu, >= P]``; none for rows
-    within the budget) and the log2 attention masses of those and of the stable rows' working sets (with standby
-    pages)."""
+    """Fill the scratch's candidates (the unstable rows' top ``exact_candidates * K`` by box ``scores [B * hu, >= P]``;
+    none for rows within the budget) and the log2 attention masses of those and of the stable rows' working sets
+    (with standby pages)."""
     scratch = exact.scratch
     batch = inputs.num_tokens.shape[0]
     num_heads = exact.query.shape[0] // batch
     log2_scale = exact.scale * math.log2(math.e)
-    num_unstable, k = inputs.unstable_heads.numel(), inputs.pages_per_head
+    num_unstable, candidates = inputs.unstable_heads.numel(), inputs.candidate_pages
     if num_unstable:
         block_scores = triton.next_power_of_2(max(inputs.kmin.shape[2], 16))
         _candidates_kernel[(batch * num_unstable,)](
             scores, inputs.table, inputs.num_tokens, scratch.candidate_slots, scratch.candidate_lens, num_unstable,
-            inputs.table.shape[2], scores.shape[1], inputs.fewest_pages, K=k,
-            PAGE_SIZE=inputs.page_size, BLOCK_C=triton.next_power_of_2(2 * k), BLOCK_S=block_scores,
+            inputs.table.shape[2], scores.shape[1], inputs.fewest_pages, CANDIDATES=candidates,
+            PAGE_SIZE=inputs.page_size, BLOCK_C=triton.next_power_of_2(candidates), BLOCK_S=block_scores,
             num_warps=max(4, min(16, block_scores // 256)),
         )
         _page_mass(inputs, exact, scratch.candidate_slots, scratch.unstable_mass, inputs.unstable_heads, num_heads,
                    log2_scale, stable=False)
-    if inputs.stable_heads.numel() and inputs.selected.shape[1] > k - 1:  # standby pages: ranked at every step
+    standby = inputs.stable_heads.numel() and inputs.selected.shape[1] > inputs.pages_per_head - 1
+    if standby:  # standby pages: ranked at every step
         _page_mass(inputs, exact, inputs.selected, scratch.stable_mass, inputs.stable_heads, num_heads, log2_scale,
                    stable=True)
 
@@ -99,26 +100,26 @@ def _page_mass(inputs: TableInputs, exact: ExactInputs, pages: torch.Tensor, mas
 
 @triton.jit(do_not_specialize=["num_unstable", "table_capacity", "scores_stride", "within_pages"])
 def _candidates_kernel(scores_ptr, table_ptr, num_tokens_ptr, slots_ptr, lens_ptr, num_unstable,
-                       table_capacity, scores_stride, within_pages, K: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                       table_capacity, scores_stride, within_pages, CANDIDATES: tl.constexpr, PAGE_SIZE: tl.constexpr,
                        BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     index = tl.program_id(0)  # unstable row b * hu + i
     n = tl.load(num_tokens_ptr + index // num_unstable).to(tl.int32)
     num_pages = (n + PAGE_SIZE - 1) // PAGE_SIZE
     last_len = n - (num_pages - 1) * PAGE_SIZE
     c = tl.arange(0, BLOCK_C)
-    out = index.to(tl.int64) * 2 * K + c
-    tl.store(slots_ptr + out, tl.full([BLOCK_C], -1, tl.int64), mask=c < 2 * K)
-    tl.store(lens_ptr + out, tl.zeros([BLOCK_C], tl.int64), mask=c < 2 * K)
+    out = index.to(tl.int64) * CANDIDATES + c
+    tl.store(slots_ptr + out, tl.full([BLOCK_C], -1, tl.int64), mask=c < CANDIDATES)
+    tl.store(lens_ptr + out, tl.zeros([BLOCK_C], tl.int64), mask=c < CANDIDATES)
     tl.debug_barrier()
     if num_pages > within_pages:  # rows within every row's budget list every page, unscored
         page = tl.arange(0, BLOCK_S)
         valid = page < num_pages
         chosen = valid
-        if num_pages > 2 * K:
+        if num_pages > CANDIDATES:
             key = _order_key(tl.load(scores_ptr + index.to(tl.int64) * scores_stride + page, mask=valid,
                                      other=0.0)).to(tl.int64)
-            chosen = _top_keys(key, valid, 2 * K)
-        position = index.to(tl.int64) * 2 * K + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+            chosen = _top_keys(key, valid, CANDIDATES)
+        position = index.to(tl.int64) * CANDIDATES + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
         slot = tl.load(table_ptr + index.to(tl.int64) * table_capacity + page, mask=chosen, other=-1)
         tl.store(slots_ptr + position, slot.to(tl.int64), mask=chosen)
         length = tl.where(page == num_pages - 1, last_len, PAGE_SIZE)

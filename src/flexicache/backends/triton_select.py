@@ -12,7 +12,7 @@ Three launches per layer and step, all CUDA-graph capturable (every per-step val
   the page table; a *stable* row lists its working-set slots that hold a page (with standby pages: the ``K - 1`` of
   them whose boxes score best for this step's query, scored in the row's own program), then its tail slot. With
   ``exact_rescore`` both choose by the page masses of :mod:`flexicache.backends.triton_exact` instead (an
-  unstable row among its top ``2K`` candidates).
+  unstable row among its top ``exact_candidates * K`` candidates).
 
 Outputs are the compacted FlashInfer index buffer (``indices[indptr[r] + j]``) and/or the padded ``[B * H, K]``
 slot/length table of the backend interface.
@@ -225,7 +225,7 @@ def _decode_table_kernel(
     K: tl.constexpr, SLOTS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_S: tl.constexpr, CHUNK_W: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     REDUCE_SUM: tl.constexpr, SPREAD_WEIGHTED: tl.constexpr, WRITE_TABLE: tl.constexpr, WRITE_FLAT: tl.constexpr,
-    EXACT: tl.constexpr, BLOCK_C: tl.constexpr,
+    EXACT: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid = tl.program_id(0)
     index, batch, row = _row_of(pid, num_unstable_rows, num_unstable, num_stable, num_heads, unstable_heads_ptr,
@@ -251,11 +251,12 @@ def _decode_table_kernel(
                        listed, width, WRITE_TABLE, WRITE_FLAT)
         elif EXACT:  # the k of most attention mass among the candidates (ascending pages: sink first, tail last)
             c = tl.arange(0, BLOCK_C)  # names below differ from the other branches': Triton types them per branch
-            candidate = index.to(tl.int64) * 2 * K + c
-            candidate_length = tl.load(candidate_lens_ptr + candidate, mask=c < 2 * K, other=0)
+            candidate = index.to(tl.int64) * CANDIDATES + c
+            candidate_length = tl.load(candidate_lens_ptr + candidate, mask=c < CANDIDATES, other=0)
             is_candidate = candidate_length > 0
             last = tl.sum(is_candidate.to(tl.int32), axis=0) - 1
-            mass_score = _mass_scores(unstable_mass_ptr + index.to(tl.int64) * GROUP * 2 * K, 2 * K, GROUP, BLOCK_C)
+            mass_score = _mass_scores(unstable_mass_ptr + index.to(tl.int64) * GROUP * CANDIDATES, CANDIDATES, GROUP,
+                                      BLOCK_C)
             mass_score = tl.where((c == 0) | (c == last), float("inf"), mass_score)
             picked = _top_keys(_order_key(mass_score).to(tl.int64), is_candidate, k)
             picked_slot = tl.load(candidate_slots_ptr + candidate, mask=picked, other=-1)
@@ -317,7 +318,8 @@ class TableInputs:
     ``stable_heads``: head indices of the two classes; ``stable_base``: first pool slot of the stable rows;
     ``row_pages``: ``[B * H]`` pages each row attends to (``K``, or its own with ``head_budgets="prompt"``),
     ``width`` the largest and ``fewest_pages`` the smallest of them (host ints: the table's row length, and the row
-    length up to which every row lists every page).
+    length up to which every row lists every page); ``candidate_pages``: an unstable row's candidates with exact
+    rescoring (``exact_candidates * K``).
     """
 
     query: torch.Tensor
@@ -337,14 +339,15 @@ class TableInputs:
     row_pages: torch.Tensor
     width: int
     fewest_pages: int
+    candidate_pages: int
 
 
 @dataclass
 class ExactScratch:
     """A layer's scratch for the exact rescoring (kept by a captured CUDA graph): ``candidate_slots`` /
-    ``candidate_lens``: ``[B * hu, 2K]`` int64, the unstable rows' candidate pages in ascending page order;
-    ``unstable_mass``: ``[B * hu, G, 2K]`` and ``stable_mass``: ``[B * hs, G, K - 1 + C]`` fp32 (one row where a
-    class has no rows or, for the stable rows, no standby pages)."""
+    ``candidate_lens``: ``[B * hu, N]`` int64, the unstable rows' ``N`` (``exact_candidates * K``) candidate pages
+    in ascending page order; ``unstable_mass``: ``[B * hu, G, N]`` and ``stable_mass``: ``[B * hs, G, K - 1 + C]``
+    fp32 (one row where a class has no rows or, for the stable rows, no standby pages)."""
 
     candidate_slots: torch.Tensor
     candidate_lens: torch.Tensor
@@ -375,7 +378,7 @@ def _scratch_shapes(inputs: TableInputs, group: int) -> tuple[tuple[int, int, in
     unstable_rows = inputs.num_tokens.shape[0] * inputs.unstable_heads.numel()
     working = inputs.selected.shape[1] if inputs.selected is not None else 0
     stable_rows = inputs.selected.shape[0] if working > inputs.pages_per_head - 1 else 0
-    return ((max(unstable_rows, 1), group, 2 * inputs.pages_per_head),
+    return ((max(unstable_rows, 1), group, inputs.candidate_pages),
             (max(stable_rows, 1), group, max(working, 1)))
 
 
@@ -489,7 +492,8 @@ def list_pages(inputs: TableInputs, scores: torch.Tensor, working_scores: torch.
         BLOCK_K=triton.next_power_of_2(inputs.width), BLOCK_W=block_working, BLOCK_S=block_scores,
         CHUNK_W=min(32, block_working), GROUP=group, HEAD_DIM=head_dim, REDUCE_SUM=inputs.group_reduce == "sum",
         SPREAD_WEIGHTED=inputs.spread_weight != 1.0, WRITE_TABLE=table_out is not None, WRITE_FLAT=flat is not None,
-        EXACT=exact is not None, BLOCK_C=triton.next_power_of_2(2 * inputs.pages_per_head),
+        EXACT=exact is not None, CANDIDATES=inputs.candidate_pages,
+        BLOCK_C=triton.next_power_of_2(inputs.candidate_pages),
         num_warps=selection_warps(block_scores),
     )
 

@@ -20,10 +20,10 @@ from .longbench import DEFAULT_HUB_REPO
 SUITES = ("longbench", "leval", "synthetic", "ppl", "lcc")
 # settings that change what a stored prediction means: resuming with other values is refused
 IDENTITY = ("suite", "model", "gguf_file", "context_length", "decode_tail", "chat", "seed", "page_size",
-            "rerank_interval", "standby_pages", "exact_rescore", "head_budgets", "profile", "prefill",
-            "max_new_tokens", "dtype", "data", "stop_strings")
+            "rerank_interval", "standby_pages", "exact_rescore", "exact_candidates", "head_budgets", "profile",
+            "prefill", "max_new_tokens", "dtype", "data", "stop_strings")
 # identity settings added later, with the value a folder that does not record them ran with
-IDENTITY_BEFORE_RECORDED = {"head_budgets": "uniform"}
+IDENTITY_BEFORE_RECORDED = {"exact_candidates": 2, "head_budgets": "uniform"}
 # suites whose samples depend on the sample count (passkey spreads its needle depths over --limit samples)
 IDENTITY_BY_SUITE = {"synthetic": ("limit",)}
 DEFAULT_SYNTHETIC_SAMPLES = 5
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="more FlexiCache rows, each a comma-separated list of settings, e.g. "
                              "token_budget=256,page_size=8 or budget=512,group_reduce=sum,profile=my.json (settings "
                              "left out: --page-size, --rerank-interval, --standby-pages, --exact-rescore, "
-                             "--head-budgets, --profile); "
+                             "--exact-candidates, --head-budgets, --profile); "
                              "named flexicache@256,page_size=8")
     parser.add_argument("--oracle", action="store_true",
                         help="also an oracle row per --budget: the pages holding the most true attention mass at "
@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'quarter' (K // 4) (default: FlexiCache's)")
     parser.add_argument("--exact-rescore", type=parse_boolean, metavar="{true,false}",
                         help="choose the attended pages by their keys' attention mass among the box scores' candidates "
+                             "(default: FlexiCache's)")
+    parser.add_argument("--exact-candidates", type=int, metavar="N",
+                        help="an unstable head's candidates for the exact rescoring: its top N x K pages by box score "
                              "(default: FlexiCache's)")
     parser.add_argument("--head-budgets", choices=["uniform", "prompt"],
                         help="pages per head: the same K for every head, or each request's split across a layer's "
@@ -124,7 +127,7 @@ def _fill_cache_defaults(args: argparse.Namespace) -> None:
     to the values its rows ran with)."""
     from flexicache.config import FlexiCacheConfig
 
-    for name in ("page_size", "rerank_interval", "standby_pages", "exact_rescore", "head_budgets"):
+    for name in ("page_size", "rerank_interval", "standby_pages", "exact_rescore", "exact_candidates", "head_budgets"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(FlexiCacheConfig, name))
 
@@ -180,8 +183,9 @@ def build_methods(model: Any, args: argparse.Namespace) -> list:
                 "standby_pages": args.standby_pages, "exact_rescore": args.exact_rescore,
                 "group_reduce": FlexiCacheConfig.group_reduce, "spread_weight": FlexiCacheConfig.spread_weight,
                 "principal_bounds": FlexiCacheConfig.principal_bounds}
-    if args.head_budgets != "uniform":  # recorded where not K per head (what rows recorded before it existed ran)
-        defaults["head_budgets"] = args.head_budgets
+    for name, before in IDENTITY_BEFORE_RECORDED.items():  # recorded where not what rows ran before it existed
+        if getattr(args, name) != before:
+            defaults[name] = getattr(args, name)
     methods = [DenseMethod(model)]
     if args.oracle:
         methods += [OracleMethod(model, budget, args.page_size) for budget in args.budget]
