@@ -13,8 +13,9 @@ total for every head:
 - ``prompt-split``: each head its own top ``K_h`` pages, the ``K_h`` (summing to ``H * K``, at least 2) fixed at the
   prompt so that the oracle pages' mean recall over the prompt's last 64 queries, summed over the heads, is largest:
   shapes fixed for the whole decode, as CUDA graphs want;
-- ``*-candidates``: the same, each head choosing only among its top ``2K`` pages by FlexiCache's box scores, by its
-  query heads' share of the attention over those candidates (what exact rescoring knows at a step).
+- ``*-candidates``: the same, each head choosing only among its top ``--candidates`` x ``K`` pages (2 by default) by
+  FlexiCache's box scores, by its query heads' share of the attention over those candidates (what exact rescoring
+  knows at a step).
 
 Each file: its first ``--context`` tokens (1536), ``--prefill`` of them prefilled (1024), the rest scored one token
 per forward; ``--budget`` 192 (1/8), 8-token pages; the ratio of a pair of files is the perplexity over both files'
@@ -37,7 +38,6 @@ from flexicache.oracle import OracleCache, OracleLayer, oracle_token_mask, page_
 
 PAGE_SIZE = 8
 WINDOW = 64  # prompt-tail queries the prompt split reads
-CANDIDATES = 2  # the candidates rows: each head's top 2K pages by box score, as exact rescoring's unstable heads
 
 
 def pooled_token_mask(weights: torch.Tensor, page_size: int, pages: int, candidates: torch.Tensor | None = None
@@ -109,13 +109,13 @@ class PromptSplitOracleLayer(OracleLayer):
                           for h, pages in enumerate(self.head_pages)])
 
 
-METHODS: dict[str, tuple[type[OracleLayer], int]] = {  # name: (its paged layers, candidates per K; 0: all pages)
-    "uniform": (OracleLayer, 0),
-    "pooled": (PooledOracleLayer, 0),
-    "prompt-split": (PromptSplitOracleLayer, 0),
-    "uniform-candidates": (OracleLayer, CANDIDATES),
-    "pooled-candidates": (PooledOracleLayer, CANDIDATES),
-    "prompt-split-candidates": (PromptSplitOracleLayer, CANDIDATES),
+METHODS: dict[str, tuple[type[OracleLayer], bool]] = {  # name: (its paged layers, among the candidates)
+    "uniform": (OracleLayer, False),
+    "pooled": (PooledOracleLayer, False),
+    "prompt-split": (PromptSplitOracleLayer, False),
+    "uniform-candidates": (OracleLayer, True),
+    "pooled-candidates": (PooledOracleLayer, True),
+    "prompt-split-candidates": (PromptSplitOracleLayer, True),
 }
 
 
@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1536, help="tokens of each file")
     parser.add_argument("--prefill", type=int, default=1024, help="of them prefilled (the rest scored)")
     parser.add_argument("--budget", type=int, default=192)
+    parser.add_argument("--candidates", type=int, default=2, help="the *-candidates rows' candidates, x K")
     args = parser.parse_args()
     model, tokenizer = load_model(args.model, device="cpu", dtype=torch.float32)
     scored: dict[str, dict[str, tuple[float, int]]] = {}  # file: method: (summed NLL, tokens)
@@ -143,7 +144,8 @@ def main() -> None:
         ids = tokenizer(stdlib_file(name).read_text(), add_special_tokens=True).input_ids[: args.context]
         for method in ["dense", *args.methods]:
             cache = (DynamicCache(config=model.config) if method == "dense"
-                     else oracle_cache(model.config, args.budget, *METHODS[method]))
+                     else oracle_cache(model.config, args.budget, METHODS[method][0],
+                                       args.candidates if METHODS[method][1] else 0))
             scored.setdefault(name, {})[method] = decode_nll(model, ids, cache, args.prefill)
             print(f"{name} {method}: perplexity {perplexity(*scored[name][method]):.3f}", flush=True)
     for pair in zip(args.files[::2], args.files[1::2]):  # the tables' ratio: perplexity over both files' tokens

@@ -14,13 +14,14 @@ models=("${@:-smollm2 levers profiles qwen2.5-coder gemma3}")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 stdlib=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 
-# flexicache eval on the CPU; --exact-rescore false --standby-pages quarter --head-budgets uniform: the folders' own
-# rows choose pages by box scores, keep K // 4 pages on standby and give every head K pages (rows with
-# exact_rescore=true and K standby pages, spelled standby_pages=budget/8 at 8-token pages, are the library's
-# defaults; head_budgets=prompt rows split each layer's pages across its heads)
+# flexicache eval on the CPU; --exact-rescore false --standby-pages quarter --exact-candidates 2 --head-budgets
+# uniform: the folders' own rows choose pages by box scores, keep K // 4 pages on standby and give every head K pages
+# (rows with exact_rescore=true, K standby pages, spelled standby_pages=budget/8 at 8-token pages,
+# exact_candidates=3 and head_budgets=prompt are the library's defaults; rows without exact_candidates choose among
+# 2K candidates, rows without head_budgets give every head K pages)
 eval_cpu() {
     python -m flexicache.cli eval --device cpu --no-progress --exact-rescore false --standby-pages quarter \
-        --head-budgets uniform "$@"
+        --exact-candidates 2 --head-budgets uniform "$@"
 }
 
 # eval MODEL OUT BUDGET... [SPEC...] -- ARGS: one folder at 16-token pages without standby pages (the paper's page
@@ -178,6 +179,21 @@ for model in ${models[@]}; do
                 --profile online --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-replicate-head-budgets-online"
+            # the defaults: exact rescoring among 3K candidates and the prompt's split (exact_candidates=3)
+            python -m flexicache.cli eval --device cpu --no-progress --exact-candidates 2 --head-budgets uniform \
+                --model qwen2.5-coder --suite ppl --page-size 8 --profile online \
+                --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3 \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/qwen2.5-coder-ppl-2k-candidates-online"
+            eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 --profile online \
+                --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3 \
+                --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/qwen2.5-coder-ppl-2k-replicate-candidates-online"
+            eval_cpu --model qwen2.5-coder --suite lcc --page-size 8 --profile online \
+                --method budget=320,exact_rescore=true,standby_pages=40,head_budgets=prompt,exact_candidates=3 \
+                budget=160,exact_rescore=true,standby_pages=20,head_budgets=prompt,exact_candidates=3 \
+                --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24 \
+                --out "$root/levers/qwen2.5-coder-lcc-3k-candidates-online"
             eval_cpu --model qwen2.5-coder --suite lcc --page-size 8 --profile online \
                 --method budget=320,exact_rescore=true,standby_pages=40,head_budgets=prompt \
                 budget=160,exact_rescore=true,standby_pages=20,head_budgets=prompt \
@@ -265,6 +281,14 @@ PY
                 budget=1024,exact_rescore=true,standby_pages=128 --profile online --seed 1
             gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-exact-standby-online-seed2" \
                 budget=1024,exact_rescore=true,standby_pages=128 --profile online --seed 2
+            # the defaults: exact rescoring among 3K candidates (one KV head per paged layer: head_budgets keeps K)
+            eval_cpu --model gemma3 --suite ppl --page-size 8 --profile online \
+                --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3 \
+                budget=128,exact_rescore=true,standby_pages=16,head_budgets=prompt,exact_candidates=3 \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/gemma3-ppl-2k-candidates-online"
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-candidates-online" \
+                budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 --profile online
             ;;
         levers)  # SmolLM2, one budget: each option of the page selection (and the float8 host tier) on its own and
             # combined; perplexity also with the oracle among the top 2K pages by the box scores (the ceiling of an
@@ -433,6 +457,40 @@ PY
                 --method budget=48,exact_rescore=true,standby_pages=6,head_budgets=prompt \
                 budget=48,page_size=4,exact_rescore=true,standby_pages=12,head_budgets=prompt \
                 --out "$root/levers/ppl-1.5k-32-head-budgets"
+            echo "+ levers: an unstable head's exact-rescoring candidates 3K (exact_candidates=3), with head_budgets=prompt"
+            echo "  (the defaults) and without, no profile"
+            eval_cpu --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
+                --context-length 1536 --prefill 1024 --profile online \
+                --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3 \
+                budget=96,exact_rescore=true,standby_pages=12,head_budgets=prompt,exact_candidates=3 \
+                --out "$root/levers/ppl-1.5k-candidates-online"
+            eval_cpu --model smollm2 --suite ppl --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" \
+                --context-length 1536 --prefill 1024 --profile online \
+                --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3 \
+                budget=96,exact_rescore=true,standby_pages=12,head_budgets=prompt,exact_candidates=3 \
+                --out "$root/levers/ppl-1.5k-replicate-candidates-online"
+            python -m flexicache.cli eval --device cpu --no-progress --exact-candidates 2 --head-budgets uniform \
+                --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 \
+                --prefill 1024 --profile online --method budget=192,exact_rescore=true,standby_pages=24,exact_candidates=3 \
+                --out "$root/levers/ppl-1.5k-candidates-uniform-online"
+            python -m flexicache.cli eval --device cpu --no-progress --exact-candidates 2 --head-budgets uniform \
+                --model smollm2 --suite ppl --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 \
+                --prefill 1024 --profile online --method budget=192,exact_rescore=true,standby_pages=24,exact_candidates=3 \
+                --out "$root/levers/ppl-1.5k-replicate-candidates-uniform-online"
+            eval_cpu --model smollm2 --suite ppl --page-size 8 --profile online \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 3072 --prefill 1024 \
+                --method budget=384,exact_rescore=true,standby_pages=48,head_budgets=prompt,exact_candidates=3 \
+                budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3 \
+                --out "$root/levers/ppl-3k-decode-2k-candidates-online"
+            eval_cpu --model smollm2 --suite synthetic --profile online \
+                --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
+                --page-size 8 --method budget=512,exact_rescore=true,standby_pages=64,head_budgets=prompt,exact_candidates=3 \
+                budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3 \
+                --out "$root/levers/synthetic-4k-candidates-online"
+            eval_cpu --model smollm2 --suite synthetic --profile online \
+                --tasks passkey niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 \
+                --method budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 \
+                --out "$root/levers/synthetic-8k-candidates-online"
             echo "+ levers: niah_single_1 4k"
             eval_cpu --model smollm2 --suite synthetic \
                 --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 --oracle \

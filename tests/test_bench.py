@@ -333,8 +333,10 @@ def test_the_rerank_case_runs_the_settings_of_the_run():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     settings = settings_from(parser.parse_args(["--device", "cpu", "--page-size", "16", "--standby-pages", "0",
-                                                "--exact-rescore", "false", "--cuda-graphs", "off"]))
+                                                "--exact-rescore", "false", "--exact-candidates", "2",
+                                                "--head-budgets", "uniform", "--cuda-graphs", "off"]))
     assert cache_options(settings) == {"page_size": 16, "standby_pages": 0, "exact_rescore": False,
+                                       "exact_candidates": 2, "head_budgets": "uniform",
                                        "backend": settings.backend, "cuda_graphs": False}
 
 
@@ -343,6 +345,9 @@ def test_the_setup_line_names_the_page_selection():
 
     run = json.loads((ROOT / "eval/results/gpu/decode/bench.json").read_text())
     assert "keys' attention mass" in setup_lines(run)[2]  # a run with exact_rescore recorded
+    assert "candidates per unstable head" not in setup_lines(run)[2]  # from before exact_candidates: 2 x K
+    run["settings"].update(exact_candidates=3, head_budgets="prompt")
+    assert "3 x K candidates per unstable head, pages split across each layer's KV heads" in setup_lines(run)[2]
     del run["settings"]["exact_rescore"]  # a run from before the setting: box scores
     assert "chosen by their box scores" in setup_lines(run)[2]
 

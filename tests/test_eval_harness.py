@@ -618,6 +618,19 @@ def test_resume_refuses_another_sample_count_where_samples_depend_on_it(tmp_path
     _check_resume(tmp_path / "lb", args("longbench", 6))  # a prefix of the same records: more samples resume
 
 
+def test_a_row_records_later_settings_only_where_they_differ_from_what_older_rows_ran(tiny_model):
+    """A FlexiCache row's cache always gets exact_candidates and head_budgets explicitly; its recorded settings leave
+    them out at the values rows stored before they existed, so those rows resume whatever the library's defaults."""
+    from flexicache.evaluation.methods import SETTINGS_BEFORE_RECORDED, FlexiCacheMethod
+
+    before = FlexiCacheMethod(tiny_model, {"token_budget": 64, **SETTINGS_BEFORE_RECORDED})
+    assert not set(SETTINGS_BEFORE_RECORDED) & set(before.settings)
+    cache = before.make_cache()
+    assert {name: getattr(cache.settings, name) for name in SETTINGS_BEFORE_RECORDED} == SETTINGS_BEFORE_RECORDED
+    later = FlexiCacheMethod(tiny_model, {"token_budget": 64, "exact_candidates": 3, "head_budgets": "prompt"})
+    assert later.settings["exact_candidates"] == 3 and later.settings["head_budgets"] == "prompt"
+
+
 def test_resume_reads_settings_a_folder_predates_as_what_it_ran(tmp_path):
     """A folder whose config.json predates a setting (exact_candidates, head_budgets) ran with its value of then:
     resuming with that value works, with another it is refused."""

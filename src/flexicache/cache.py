@@ -73,7 +73,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
                  page_size: int = 8, rerank_interval: int = 16, rerank_warmup: int = 0,
                  max_promotions: int | None = None, standby_pages: int | str = "auto", group_reduce: str = "max",
                  spread_weight: float = 0.5, principal_bounds: bool = True, exact_rescore: bool = True,
-                 exact_candidates: int = 2, head_budgets: str = "uniform", backend: str = "auto",
+                 exact_candidates: int = 3, head_budgets: str = "prompt", backend: str = "auto",
                  cuda_graphs: bool = True, max_cache_len: int | None = None, host_dtype: str = "auto") -> None:
         self.settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size,
                                          rerank_interval=rerank_interval, rerank_warmup=rerank_warmup,

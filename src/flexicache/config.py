@@ -53,22 +53,23 @@ class FlexiCacheConfig:
             per row and two small matrix products per layer and step. ``False``: boxes in the model's axes (Quest).
         exact_rescore: choose the pages a head attends to among candidates by their keys' exact attention mass
             (:func:`~flexicache.selection.exact_page_scores`; the default), not by their boxes: an unstable head's
-            top ``2K`` pages by box score, a stable head's ``K - 1 + C`` pages on the device. Reads the candidates'
-            keys at every step (in the fused kernels on CUDA, :mod:`flexicache.backends.triton_exact`: 1.07x the
-            decode step of ``False`` with ``standby_pages="quarter"``, 1.12x with the default's K standby pages,
-            BENCHMARKS.md). ``False``: the pages of the best box scores (Quest's way).
-        exact_candidates: an unstable head's candidates for ``exact_rescore``, in multiples of ``K``: its top
-            ``exact_candidates * K`` pages by box score (2 by default), whose keys it reads at every step. More
-            candidates leave out fewer of the pages of most attention mass that the boxes rank low.
-        head_budgets: how many pages each KV head attends to. ``"uniform"`` (the default): ``K`` for every head (the
-            paper's). ``"prompt"``: each request's ``H * K`` pages of a layer split across its KV heads once, from the
-            attention of the first prompt chunk's last queries (:mod:`flexicache.head_budgets`: a head of spread
-            attention takes pages from one whose attention sits on a few; each head between 2 pages and the
-            candidates it chooses from, :attr:`candidate_pages` or ``K + C``), fixed for the decode: the same pages
-            and bytes in all,
-            closer to dense on the CPU (SmolLM2 perplexity 1.021 and 1.026 of dense at 1/8 against 1.024 and 1.033,
-            eval/RESULTS.md); on CUDA one FlashInfer plan per layer (its final form not yet run or timed on a GPU,
-            so not yet the default). A layer with one KV head keeps ``K``.
+            top ``exact_candidates * K`` pages by box score, a stable head's ``K - 1 + C`` pages on the device. Reads
+            the candidates' keys at every step (in the fused kernels on CUDA, :mod:`flexicache.backends.triton_exact`:
+            1.07x the decode step of ``False`` with ``standby_pages="quarter"``, BENCHMARKS.md). ``False``: the pages
+            of the best box scores (Quest's way).
+        exact_candidates: an unstable head's candidates for ``exact_rescore``, in multiples of ``K`` (1 to 8): its
+            top ``exact_candidates * K`` pages by box score. ``3`` (the default) leaves out fewer of the pages that
+            hold attention mass but whose boxes rank them low: SmolLM2 perplexity 1.018 of dense at 1/8 against
+            ``2``'s 1.026 on one pair of files, 1.023 against 1.021 on the other (eval/RESULTS.md), for 1.02x the
+            decode step (H100, BENCHMARKS.md).
+        head_budgets: how many pages each KV head attends to. ``"prompt"`` (the default, beyond the paper): each
+            request's ``H * K`` pages of a layer split across its KV heads once, from the attention of the first
+            prompt chunk's last queries (:mod:`flexicache.head_budgets`: a head of spread attention takes pages
+            from one whose attention sits on a few; each head between 2 pages and the candidates it chooses from,
+            :attr:`candidate_pages` or ``K + C``), fixed for the decode: the same pages and bytes in all, closer to
+            dense on every pair of files measured (eval/RESULTS.md); on CUDA each split layer keeps its own
+            FlashInfer plan (1.04x the decode step, H100, BENCHMARKS.md). A layer with one KV head keeps ``K``.
+            ``"uniform"``: ``K`` for every head (the paper's).
         backend: decode kernel: ``"auto"`` (FlashInfer on CUDA when installed, else the torch reference),
             ``"reference"`` or ``"flashinfer"``.
         cuda_graphs: on the CUDA + FlashInfer path, capture each layer's decode step (token append, scoring,
@@ -98,8 +99,8 @@ class FlexiCacheConfig:
     spread_weight: float = 0.5
     principal_bounds: bool = True
     exact_rescore: bool = True
-    exact_candidates: int = 2
-    head_budgets: HeadBudgetsName = "uniform"
+    exact_candidates: int = 3
+    head_budgets: HeadBudgetsName = "prompt"
     backend: BackendName = "auto"
     cuda_graphs: bool = True
     max_cache_len: int | None = None

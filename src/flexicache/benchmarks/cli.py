@@ -41,6 +41,8 @@ OPTIONS: dict[str, tuple[type, str | None, str]] = {
                                   "'quarter' (K // 4)")),
     "exact_rescore": (parse_boolean, None, ("true: the attended pages chosen by their keys' attention mass among "
                                             "the box scores' candidates; false: by the box scores")),
+    "exact_candidates": (int, None, "an unstable head's exact-rescoring candidates, in multiples of K"),
+    "head_budgets": (str, None, "pages per head: uniform (K each) or prompt (split across a layer's heads)"),
     "seed": (int, None, "random seed"),
     "memory_contexts": (int, "+", "memory: context lengths"),
     "memory_systems": (str, "+", "memory: systems (dynamic, dynamic-offload, dense, flexicache-B, quest-B)"),

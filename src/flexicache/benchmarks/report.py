@@ -367,6 +367,10 @@ def setup_lines(results: dict[str, Any]) -> list[str]:
     # runs that do not record exact_rescore predate it: box scores
     selection = ("attended pages chosen by their keys' attention mass among the box scores' candidates (exact_rescore)"
                  if settings.get("exact_rescore", False) else "attended pages chosen by their box scores")
+    if "exact_candidates" in settings:  # runs that do not record these ran with 2 K candidates and K per head
+        selection += (f", {settings['exact_candidates']} x K candidates per unstable head, "
+                      + ("pages split across each layer's KV heads at the prompt (head_budgets)"
+                         if settings["head_budgets"] == "prompt" else "K pages per head"))
     return [f"{hardware(env)}, {env['cpu_count']} CPU cores, host RAM {env['host_ram_bytes'] / GIB:.0f} GiB; "
             f"{', '.join(software)}.",
             "Models: " + "; ".join(model_text(name, settings) for name in settings["models"]) + ".",

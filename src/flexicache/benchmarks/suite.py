@@ -132,16 +132,19 @@ class System:
                                    for head in range(shape.num_kv_heads)])
             budget = self.budget if self.kind == "quest" else page * math.ceil((tokens + page) / page)
         options = {**cache_options(settings), "page_size": page, "rerank_interval": settings.rerank_interval,
-                   "max_cache_len": tokens, "profile": profile,
-                   **system_options(self.name)}  # profile=online: the split estimated from the prompt
+                   "max_cache_len": tokens, "profile": profile}
+        if self.kind != "flexicache":  # every head on the device (Quest-like, dense): K pages per head, as Quest's
+            options["head_budgets"] = "uniform"
+        options.update(system_options(self.name))  # profile=online: the split estimated from the prompt
         return FlexiCache(config, token_budget=budget, **options)
 
 
 def cache_options(settings: Settings) -> dict[str, Any]:
-    """The run's FlexiCache settings every case applies (page size, standby pages, exact rescoring, backend, CUDA
-    graphs); the rerank interval, budget and profile are each case's."""
+    """The run's FlexiCache settings every case applies (page size, standby pages, exact rescoring and its
+    candidates, head budgets, backend, CUDA graphs); the rerank interval, budget and profile are each case's."""
     standby = settings.standby_pages if settings.standby_pages in STANDBY_NAMES else int(settings.standby_pages)
     return {"page_size": settings.page_size, "standby_pages": standby, "exact_rescore": settings.exact_rescore,
+            "exact_candidates": settings.exact_candidates, "head_budgets": settings.head_budgets,
             "backend": settings.backend, "cuda_graphs": settings.cuda_graphs != "off"}
 
 
@@ -166,6 +169,8 @@ class Settings:
     rerank_interval: int = FlexiCacheConfig.rerank_interval
     standby_pages: int | str = FlexiCacheConfig.standby_pages
     exact_rescore: bool = FlexiCacheConfig.exact_rescore
+    exact_candidates: int = FlexiCacheConfig.exact_candidates
+    head_budgets: str = FlexiCacheConfig.head_budgets
     unstable_fraction: float = 0.25
     seed: int = 0
     cases: list[str] = field(default_factory=lambda: list(CASES))

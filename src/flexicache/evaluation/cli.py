@@ -16,6 +16,7 @@ from flexicache.cli import DTYPE_HELP, DTYPES, resolve_device, resolve_dtype
 from flexicache.setting_specs import parse_boolean
 
 from .longbench import DEFAULT_HUB_REPO
+from .methods import SETTINGS_BEFORE_RECORDED
 
 SUITES = ("longbench", "leval", "synthetic", "ppl", "lcc")
 # settings that change what a stored prediction means: resuming with other values is refused
@@ -23,7 +24,7 @@ IDENTITY = ("suite", "model", "gguf_file", "context_length", "decode_tail", "cha
             "rerank_interval", "standby_pages", "exact_rescore", "exact_candidates", "head_budgets", "profile",
             "prefill", "max_new_tokens", "dtype", "data", "stop_strings")
 # identity settings added later, with the value a folder that does not record them ran with
-IDENTITY_BEFORE_RECORDED = {"exact_candidates": 2, "head_budgets": "uniform"}
+IDENTITY_BEFORE_RECORDED = SETTINGS_BEFORE_RECORDED
 # suites whose samples depend on the sample count (passkey spreads its needle depths over --limit samples)
 IDENTITY_BY_SUITE = {"synthetic": ("limit",)}
 DEFAULT_SYNTHETIC_SAMPLES = 5
@@ -178,14 +179,14 @@ def build_methods(model: Any, args: argparse.Namespace) -> list:
         return profiles[name]
 
     # The page-selection settings a row leaves to the defaults are recorded too, tying a results folder to them
-    # (rerank_warmup, max_promotions and host_dtype only where a row sets them).
+    # (rerank_warmup, max_promotions and host_dtype only where a row sets them; exact_candidates and head_budgets
+    # where not what rows ran before they existed, FlexiCacheMethod.settings).
     defaults = {"page_size": args.page_size, "rerank_interval": args.rerank_interval,
                 "standby_pages": args.standby_pages, "exact_rescore": args.exact_rescore,
                 "group_reduce": FlexiCacheConfig.group_reduce, "spread_weight": FlexiCacheConfig.spread_weight,
-                "principal_bounds": FlexiCacheConfig.principal_bounds}
-    for name, before in IDENTITY_BEFORE_RECORDED.items():  # recorded where not what rows ran before it existed
-        if getattr(args, name) != before:
-            defaults[name] = getattr(args, name)
+                "principal_bounds": FlexiCacheConfig.principal_bounds,
+                **{name: getattr(args, name) for name in IDENTITY_BEFORE_RECORDED}}
+
     methods = [DenseMethod(model)]
     if args.oracle:
         methods += [OracleMethod(model, budget, args.page_size) for budget in args.budget]

@@ -18,6 +18,9 @@ from typing import Any, Protocol
 from flexicache.setting_specs import parse_settings
 
 REFERENCE = "dense"
+# FlexiCache settings added after results were stored, with the value those rows ran with: a row's recorded settings
+# leave a setting out at that value (so stored rows keep matching), while its cache still gets the value explicitly
+SETTINGS_BEFORE_RECORDED: dict[str, Any] = {"exact_candidates": 2, "head_budgets": "uniform"}
 
 
 class CacheMethod(Protocol):
@@ -89,7 +92,9 @@ class FlexiCacheMethod:
 
     @property
     def settings(self) -> dict[str, Any]:
-        return {"kind": "flexicache", "profile": self.profile_name, **self.options}
+        recorded = {key: value for key, value in self.options.items()
+                    if key not in SETTINGS_BEFORE_RECORDED or value != SETTINGS_BEFORE_RECORDED[key]}
+        return {"kind": "flexicache", "profile": self.profile_name, **recorded}
 
 
 @dataclass(frozen=True, eq=False)
