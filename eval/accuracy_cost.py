@@ -41,11 +41,11 @@ class Setting:
 
 BASELINE_SYSTEM = "flexicache-1024"  # 16-token pages, no standby pages, stable heads every 16 steps
 BRIDGE_RUN = "decode_standby"
-DEFAULTS = "defaults"  # the short label of the library's defaults (drawn in orange)
+DEFAULTS = "K standby"  # the short label of the defaults with 2K candidates and K per head (drawn in orange)
 QUARTER_BOX = ("flexicache-1024", "flexicache-1024:page_size=8,standby_pages=32")  # decode_exact's 8-token pages,
 # a quarter of K on standby, box scores alone, and the same in BRIDGE_RUN
 SETTINGS = (
-    Setting("the defaults: 8-token pages, exact rescoring, K on standby ¹",
+    Setting("8-token pages, exact rescoring, K on standby (the defaults with 2K candidates, K per head) ¹",
             DEFAULTS, "decode_exact", "flexicache-1024:exact_rescore=true,standby_pages=128", "ppl-1.5k-exact-standby",
             "flexicache@192,exact_rescore=True,standby_pages=24", bridge=QUARTER_BOX),
     Setting("8-token pages, exact rescoring, a quarter of K on standby ¹", "exact K/4",
@@ -90,7 +90,7 @@ ORACLES = (("oracle pages, 16 tokens", "ppl-1.5k"), ("oracle pages, 8 tokens", "
 LABEL_OFFSETS = {DEFAULTS: (-8, -10), "exact K/4": (3, 5), "p8 /2 float8": (5, -10),
                   "p8 /1 <=9%": (5, 4), "p8 /1 <=17%": (5, -10), "p8 /2 <=9%": (6, -3),
                  "p8 standby K/4": (-8, 6), "p8 standby K/2": (-8, -10), "p8 /4": (5, 4)}
-KEY = ("defaults: exact rescoring and K on standby; exact K/4: the same with a quarter of K (both timed in another "
+KEY = ("K standby: exact rescoring and K on standby (the defaults with 2K candidates, K per head); exact K/4: the same with a quarter of K (both timed in another "
        "run,\nchained through p8 standby K/4); p8: 8-token pages; /n: stable heads rerank every n steps; <=x%: at "
        "most x% of the selection promoted;\nstandby K/4: a quarter of K on standby; the points without 'exact' "
        "choose by box scores alone (exact_rescore=False)")

@@ -104,9 +104,10 @@ def test_a_layer_with_one_kv_head_keeps_k():
 
 def test_row_bounds_keep_the_stable_heads_at_k_without_standby_pages():
     unstable = torch.tensor([True, False])
-    low, high = row_bounds(FlexiCacheConfig(token_budget=64, page_size=8), unstable)
-    assert low.tolist() == [2, 2] and high.tolist() == [16, 16]
-    low, high = row_bounds(FlexiCacheConfig(token_budget=64, page_size=8, standby_pages=0), unstable)
+    low, high = row_bounds(FlexiCacheConfig(token_budget=64, page_size=8), unstable)  # 3K candidates, K standby
+    assert low.tolist() == [2, 2] and high.tolist() == [24, 16]
+    low, high = row_bounds(FlexiCacheConfig(token_budget=64, page_size=8, standby_pages=0, exact_candidates=2),
+                           unstable)
     assert low.tolist() == [2, 8] and high.tolist() == [16, 8]
 
 

@@ -55,15 +55,17 @@ def test_decode_table_kernel_compiles(write_table: bool, write_flat: bool, slots
     compile_for_hopper(triton_select._decode_table_kernel,
                        dict(K=64, SLOTS=slots, PAGE_SIZE=16, BLOCK_K=64, BLOCK_W=triton.next_power_of_2(slots),
                             BLOCK_S=4096, CHUNK_W=32, GROUP=4, HEAD_DIM=128, REDUCE_SUM=False, SPREAD_WEIGHTED=True,
-                            WRITE_TABLE=write_table, WRITE_FLAT=write_flat, EXACT=exact, BLOCK_C=128),
+                            WRITE_TABLE=write_table, WRITE_FLAT=write_flat, EXACT=exact, CANDIDATES=192, BLOCK_C=256),
                        {"scores_ptr": "*fp32", "selected_scores_ptr": "*fp32", "working_scores_ptr": "*fp32",
                         "query_ptr": "*fp32", "weight_high": "fp32", "weight_low": "fp32",
                         "unstable_mass_ptr": "*fp32", "stable_mass_ptr": "*fp32", **flat})
 
 
-def test_exact_candidates_kernel_compiles() -> None:
-    compile_for_hopper(triton_exact._candidates_kernel, dict(K=128, PAGE_SIZE=8, BLOCK_C=256, BLOCK_S=8192),
-                       {"scores_ptr": "*fp32"})
+@pytest.mark.parametrize("candidates", [256, 384])  # 2K or 3K (exact_candidates) of K = 128
+def test_exact_candidates_kernel_compiles(candidates: int) -> None:
+    compile_for_hopper(triton_exact._candidates_kernel,
+                       dict(CANDIDATES=candidates, PAGE_SIZE=8, BLOCK_C=triton.next_power_of_2(candidates),
+                            BLOCK_S=8192), {"scores_ptr": "*fp32"})
 
 
 @pytest.mark.parametrize("stable, count", [(False, 256), (True, 159)])
