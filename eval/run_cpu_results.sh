@@ -457,6 +457,11 @@ PY
                 --method budget=48,exact_rescore=true,standby_pages=6,head_budgets=prompt \
                 budget=48,page_size=4,exact_rescore=true,standby_pages=12,head_budgets=prompt \
                 --out "$root/levers/ppl-1.5k-32-head-budgets"
+            eval_cpu --model smollm2 --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 \
+                --method budget=48,exact_rescore=true,standby_pages=6,head_budgets=prompt,exact_candidates=3 \
+                budget=48,page_size=4,exact_rescore=true,standby_pages=12,head_budgets=prompt,exact_candidates=3 \
+                --out "$root/levers/ppl-1.5k-32-candidates"
             echo "+ levers: an unstable head's exact-rescoring candidates 3K (exact_candidates=3), with head_budgets=prompt"
             echo "  (the defaults) and without, no profile"
             eval_cpu --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
