@@ -90,10 +90,10 @@ ORACLES = (("oracle pages, 16 tokens", "ppl-1.5k"), ("oracle pages, 8 tokens", "
 LABEL_OFFSETS = {DEFAULTS: (-8, -10), "exact K/4": (3, 5), "p8 /2 float8": (5, -10),
                   "p8 /1 <=9%": (5, 4), "p8 /1 <=17%": (5, -10), "p8 /2 <=9%": (6, -3),
                  "p8 standby K/4": (-8, 6), "p8 standby K/2": (-8, -10), "p8 /4": (5, 4)}
-KEY = ("K standby: exact rescoring and K on standby (the defaults with 2K candidates, K per head); exact K/4: the same with a quarter of K (both timed in another "
-       "run,\nchained through p8 standby K/4); p8: 8-token pages; /n: stable heads rerank every n steps; <=x%: at "
-       "most x% of the selection promoted;\nstandby K/4: a quarter of K on standby; the points without 'exact' "
-       "choose by box scores alone (exact_rescore=False)")
+KEY = ("K standby: exact rescoring and K on standby (the defaults with 2K candidates, K per head); exact K/4: the "
+       "same with a quarter of K (both timed in another run,\nchained through p8 standby K/4); p8: 8-token pages; "
+       "/n: stable heads rerank every n steps; <=x%: at most x% of the selection promoted;\nstandby K/4: a quarter of "
+       "K on standby; the points without 'exact' choose by box scores alone (exact_rescore=False)")
 
 
 def step_ratio(run: str, system: str) -> tuple[float, float]:

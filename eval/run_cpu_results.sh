@@ -462,8 +462,8 @@ PY
                 --method budget=48,exact_rescore=true,standby_pages=6,head_budgets=prompt,exact_candidates=3 \
                 budget=48,page_size=4,exact_rescore=true,standby_pages=12,head_budgets=prompt,exact_candidates=3 \
                 --out "$root/levers/ppl-1.5k-32-candidates"
-            echo "+ levers: an unstable head's exact-rescoring candidates 3K (exact_candidates=3), with head_budgets=prompt"
-            echo "  (the defaults) and without, no profile"
+            echo "+ levers: an unstable head's exact-rescoring candidates 3K (exact_candidates=3),"
+            echo "  with head_budgets=prompt (the defaults) and without, no profile"
             eval_cpu --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
                 --context-length 1536 --prefill 1024 --profile online \
                 --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3 \
@@ -476,11 +476,13 @@ PY
                 --out "$root/levers/ppl-1.5k-replicate-candidates-online"
             python -m flexicache.cli eval --device cpu --no-progress --exact-candidates 2 --head-budgets uniform \
                 --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 \
-                --prefill 1024 --profile online --method budget=192,exact_rescore=true,standby_pages=24,exact_candidates=3 \
+                --prefill 1024 --profile online \
+                --method budget=192,exact_rescore=true,standby_pages=24,exact_candidates=3 \
                 --out "$root/levers/ppl-1.5k-candidates-uniform-online"
             python -m flexicache.cli eval --device cpu --no-progress --exact-candidates 2 --head-budgets uniform \
                 --model smollm2 --suite ppl --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 \
-                --prefill 1024 --profile online --method budget=192,exact_rescore=true,standby_pages=24,exact_candidates=3 \
+                --prefill 1024 --profile online \
+                --method budget=192,exact_rescore=true,standby_pages=24,exact_candidates=3 \
                 --out "$root/levers/ppl-1.5k-replicate-candidates-uniform-online"
             eval_cpu --model smollm2 --suite ppl --page-size 8 --profile online \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 3072 --prefill 1024 \
@@ -489,7 +491,8 @@ PY
                 --out "$root/levers/ppl-3k-decode-2k-candidates-online"
             eval_cpu --model smollm2 --suite synthetic --profile online \
                 --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
-                --page-size 8 --method budget=512,exact_rescore=true,standby_pages=64,head_budgets=prompt,exact_candidates=3 \
+                --page-size 8 \
+                --method budget=512,exact_rescore=true,standby_pages=64,head_budgets=prompt,exact_candidates=3 \
                 budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3 \
                 --out "$root/levers/synthetic-4k-candidates-online"
             eval_cpu --model smollm2 --suite synthetic --profile online \

@@ -637,12 +637,13 @@ def test_resume_reads_settings_a_folder_predates_as_what_it_ran(tmp_path):
     import argparse
     import json
 
-    from flexicache.evaluation.cli import IDENTITY_BEFORE_RECORDED, _check_resume
+    from flexicache.evaluation.cli import _check_resume
+    from flexicache.evaluation.methods import SETTINGS_BEFORE_RECORDED
 
     def args(**settings) -> argparse.Namespace:
         return argparse.Namespace(suite="ppl", model="m", page_size=8, **settings)
 
-    for name, before in IDENTITY_BEFORE_RECORDED.items():
+    for name, before in SETTINGS_BEFORE_RECORDED.items():
         folder = tmp_path / name
         _check_resume(folder, args())
         recorded = json.loads((folder / "config.json").read_text())

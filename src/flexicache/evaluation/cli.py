@@ -23,8 +23,7 @@ SUITES = ("longbench", "leval", "synthetic", "ppl", "lcc")
 IDENTITY = ("suite", "model", "gguf_file", "context_length", "decode_tail", "chat", "seed", "page_size",
             "rerank_interval", "standby_pages", "exact_rescore", "exact_candidates", "head_budgets", "profile",
             "prefill", "max_new_tokens", "dtype", "data", "stop_strings")
-# identity settings added later, with the value a folder that does not record them ran with
-IDENTITY_BEFORE_RECORDED = SETTINGS_BEFORE_RECORDED
+# identity settings added later: a folder that does not record them ran with SETTINGS_BEFORE_RECORDED's values
 # suites whose samples depend on the sample count (passkey spreads its needle depths over --limit samples)
 IDENTITY_BY_SUITE = {"synthetic": ("limit",)}
 DEFAULT_SYNTHETIC_SAMPLES = 5
@@ -140,7 +139,7 @@ def _check_resume(out: Path, args: argparse.Namespace) -> None:
         stored = json.loads(path.read_text(encoding="utf-8"))
         identity = IDENTITY + IDENTITY_BY_SUITE.get(current.get("suite"), ())
         changed = [k for k in identity
-                   if stored.get(k, IDENTITY_BEFORE_RECORDED.get(k)) != current.get(k, IDENTITY_BEFORE_RECORDED.get(k))]
+                   if stored.get(k, SETTINGS_BEFORE_RECORDED.get(k)) != current.get(k, SETTINGS_BEFORE_RECORDED.get(k))]
         if changed:
             raise SystemExit(f"{out} holds results made with other settings ({', '.join(changed)}); "
                              "use another --out or the same settings")
@@ -185,8 +184,7 @@ def build_methods(model: Any, args: argparse.Namespace) -> list:
                 "standby_pages": args.standby_pages, "exact_rescore": args.exact_rescore,
                 "group_reduce": FlexiCacheConfig.group_reduce, "spread_weight": FlexiCacheConfig.spread_weight,
                 "principal_bounds": FlexiCacheConfig.principal_bounds,
-                **{name: getattr(args, name) for name in IDENTITY_BEFORE_RECORDED}}
-
+                **{name: getattr(args, name) for name in SETTINGS_BEFORE_RECORDED}}
     methods = [DenseMethod(model)]
     if args.oracle:
         methods += [OracleMethod(model, budget, args.page_size) for budget in args.budget]
