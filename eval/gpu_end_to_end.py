@@ -27,8 +27,10 @@ Usage: ``python eval/gpu_end_to_end.py [--shape llama-3.1-8b] [--layers N] [--co
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -61,6 +63,18 @@ def generate_steps(model: Any, ids: torch.Tensor, new_tokens: int, cache: Any = 
     return clock.step_ms()
 
 
+def slow_steps(step_ms: list[float]) -> dict[str, Any]:
+    """Where a generation's tail sits: the decode steps slower than 1.2x the median (index 0: the first decode step
+    after the prompt's), their count by index modulo 8 and 16 (a page fills every 8 tokens; stable heads rerank
+    every 16 steps), and the slowest ten."""
+    median = statistics.median(step_ms)
+    slow = [i for i, ms in enumerate(step_ms) if ms > 1.2 * median]
+    by_mod = {m: dict(sorted(collections.Counter(i % m for i in slow).items())) for m in (8, 16)}
+    slowest = sorted(range(len(step_ms)), key=step_ms.__getitem__, reverse=True)[:10]
+    return {"slow_steps": len(slow), "slow_steps_mod_8": by_mod[8], "slow_steps_mod_16": by_mod[16],
+            "slowest_steps": [(i, round(step_ms[i], 2)) for i in slowest]}
+
+
 def release(device: torch.device) -> None:
     """Collect what a finished ``generate`` left in reference cycles, then the suite's release of device memory."""
     gc.collect()
@@ -77,10 +91,13 @@ def measure(name: str, model: Any, ids: torch.Tensor, new_tokens: int, warm_ids:
     synchronize(device)
     step_ms = generate_steps(model, ids, new_tokens, **cache_kwargs())
     row = {"system": name, "new_tokens": new_tokens, "prompt_to_first_token_s": step_ms[0] / 1000,
-           **summarize(step_ms[1:]), "step_ms_max": max(step_ms[1:]), "peak_device_gib": (peak(device) or 0) / GIB}
+           **summarize(step_ms[1:]), "step_ms_max": max(step_ms[1:]), "peak_device_gib": (peak(device) or 0) / GIB,
+           **slow_steps(step_ms[1:]), "step_ms": [round(ms, 3) for ms in step_ms[1:]]}
     print(f"{name:<58} p50 {row['step_ms_p50']:7.2f} ms  p99 {row['step_ms_p99']:7.2f} ms  "
           f"(p99/p50 {row['p99_over_p50']:.2f}, max {row['step_ms_max']:.2f})  first token "
           f"{row['prompt_to_first_token_s']:6.2f} s  peak {row['peak_device_gib']:6.1f} GiB", flush=True)
+    print(f"  steps > 1.2x median: {row['slow_steps']}, by index mod 16 {row['slow_steps_mod_16']}; slowest "
+          f"{row['slowest_steps']}", flush=True)
     release(device)
     return row
 
