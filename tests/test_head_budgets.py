@@ -111,6 +111,18 @@ def test_row_bounds_keep_the_stable_heads_at_k_without_standby_pages():
     assert low.tolist() == [2, 8] and high.tolist() == [16, 8]
 
 
+@pytest.mark.parametrize(("candidates", "standby"), [(3, "auto"), (1, "auto"), (2, 0), (1, 0)])
+def test_max_row_pages_bounds_every_split(candidates, standby):
+    """The width that sizes the table kernel's row block (``max_row_pages``) is the largest share ``row_bounds``
+    allows any head, stable or unstable, and ``K`` when every head keeps ``K``."""
+    settings = FlexiCacheConfig(token_budget=64, page_size=8, exact_candidates=candidates, standby_pages=standby)
+    _, high = row_bounds(settings, torch.tensor([True, False]))
+    assert settings.max_row_pages == int(high.max())
+    uniform = FlexiCacheConfig(token_budget=64, page_size=8, exact_candidates=candidates, standby_pages=standby,
+                               head_budgets="uniform")
+    assert uniform.max_row_pages == 8
+
+
 @given(st.integers(1, 5), st.integers(1, 12), st.integers(0, 2**31 - 1), st.booleans())
 def test_per_row_k_selects_what_each_row_selects_with_its_own_k(rows, width, seed, force_last):
     generator = torch.Generator().manual_seed(seed)

@@ -193,6 +193,15 @@ class FlexiCacheConfig:
         return self.exact_candidates * self.pages_per_head
 
     @property
+    def max_row_pages(self) -> int:
+        """The most pages one (request, KV head) row may attend to: ``K``, or with ``head_budgets="prompt"`` the
+        largest share a split may give a head (:func:`flexicache.head_budgets.row_bounds`). Fixed for a cache's
+        settings, so kernel blocks sized by it compile once, whatever split a request's prompt gives."""
+        if self.head_budgets == "uniform":
+            return self.pages_per_head
+        return max(self.candidate_pages, self.pages_per_head + self.num_standby_pages)
+
+    @property
     def num_standby_pages(self) -> int:
         """C: pages a stable head keeps on the device beyond the ``K`` it attends to (``standby_pages`` resolved)."""
         if isinstance(self.standby_pages, int):

@@ -266,7 +266,7 @@ class FusedDecode(TorchDecode):
             storage.unstable_index, storage.stable_index,
             offloaded.base if offloaded else 0, settings.pages_per_head, settings.page_size, settings.group_reduce,
             settings.spread_weight, storage.row_pages, storage.table_width, storage.fewest_pages,
-            settings.candidate_pages,
+            settings.max_row_pages, settings.candidate_pages,
         )
 
 

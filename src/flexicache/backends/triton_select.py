@@ -318,8 +318,10 @@ class TableInputs:
     ``stable_heads``: head indices of the two classes; ``stable_base``: first pool slot of the stable rows;
     ``row_pages``: ``[B * H]`` pages each row attends to (``K``, or its own with ``head_budgets="prompt"``),
     ``width`` the largest and ``fewest_pages`` the smallest of them (host ints: the table's row length, and the row
-    length up to which every row lists every page); ``candidate_pages``: an unstable row's candidates with exact
-    rescoring (``exact_candidates * K``).
+    length up to which every row lists every page); ``max_width``: the largest ``width`` any split of these settings
+    gives (:attr:`~flexicache.config.FlexiCacheConfig.max_row_pages`: sizes the kernel's row block, so a request
+    whose split differs compiles nothing new); ``candidate_pages``: an unstable row's candidates with exact rescoring
+    (``exact_candidates * K``).
     """
 
     query: torch.Tensor
@@ -339,6 +341,7 @@ class TableInputs:
     row_pages: torch.Tensor
     width: int
     fewest_pages: int
+    max_width: int
     candidate_pages: int
 
 
@@ -489,7 +492,7 @@ def list_pages(inputs: TableInputs, scores: torch.Tensor, working_scores: torch.
         rows // batch, inputs.table.shape[2] if num_unstable else 0, inputs.stable_base, scores.shape[1],
         inputs.kmin.shape[2], *spread_weights(inputs.spread_weight), inputs.width,
         K=inputs.pages_per_head, SLOTS=working, PAGE_SIZE=inputs.page_size,
-        BLOCK_K=triton.next_power_of_2(inputs.width), BLOCK_W=block_working, BLOCK_S=block_scores,
+        BLOCK_K=triton.next_power_of_2(inputs.max_width), BLOCK_W=block_working, BLOCK_S=block_scores,
         CHUNK_W=min(32, block_working), GROUP=group, HEAD_DIM=head_dim, REDUCE_SUM=inputs.group_reduce == "sum",
         SPREAD_WEIGHTED=inputs.spread_weight != 1.0, WRITE_TABLE=table_out is not None, WRITE_FLAT=flat is not None,
         EXACT=exact is not None, CANDIDATES=inputs.candidate_pages,
