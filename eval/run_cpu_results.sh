@@ -416,6 +416,11 @@ PY
                 --tasks passkey niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 \
                 --method budget=1024,exact_rescore=true,standby_pages=128 \
                 --out "$root/levers/synthetic-8k-exact-standby-online"
+            # the defaults: the prompt's split and 3K candidates
+            eval_cpu --model smollm2 --suite synthetic --profile online \
+                --tasks passkey niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 \
+                --method budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 \
+                --out "$root/levers/synthetic-8k-candidates-online"
             echo "+ levers: the main settings on two other files (a replicate of the perplexity rows above)"
             eval_cpu --model smollm2 --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --budget 192 \
