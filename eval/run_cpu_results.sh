@@ -24,6 +24,11 @@ eval_cpu() {
         --exact-candidates 2 --head-budgets uniform "$@"
 }
 
+# the same without the box-score pins: folders whose rows keep the library's exact rescoring and standby pages
+eval_cpu_exact() {
+    python -m flexicache.cli eval --device cpu --no-progress --exact-candidates 2 --head-budgets uniform "$@"
+}
+
 # eval MODEL OUT BUDGET... [SPEC...] -- ARGS: one folder at 16-token pages without standby pages (the paper's page
 # size and stable heads: the oracle pages, FlexiCache and Quest's bound rows at each budget) with 8-token pages and a
 # quarter of K on standby beside them at each budget, and a row per extra method SPEC (e.g. budget=256,profile=online)
@@ -180,8 +185,7 @@ for model in ${models[@]}; do
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-replicate-head-budgets-online"
             # the defaults: exact rescoring among 3K candidates and the prompt's split (exact_candidates=3)
-            python -m flexicache.cli eval --device cpu --no-progress --exact-candidates 2 --head-budgets uniform \
-                --model qwen2.5-coder --suite ppl --page-size 8 --profile online \
+            eval_cpu_exact --model qwen2.5-coder --suite ppl --page-size 8 --profile online \
                 --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3 \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-candidates-online"
@@ -479,14 +483,12 @@ PY
                 --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3 \
                 budget=96,exact_rescore=true,standby_pages=12,head_budgets=prompt,exact_candidates=3 \
                 --out "$root/levers/ppl-1.5k-replicate-candidates-online"
-            python -m flexicache.cli eval --device cpu --no-progress --exact-candidates 2 --head-budgets uniform \
-                --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 \
-                --prefill 1024 --profile online \
+            eval_cpu_exact --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
+                --context-length 1536 --prefill 1024 --profile online \
                 --method budget=192,exact_rescore=true,standby_pages=24,exact_candidates=3 \
                 --out "$root/levers/ppl-1.5k-candidates-uniform-online"
-            python -m flexicache.cli eval --device cpu --no-progress --exact-candidates 2 --head-budgets uniform \
-                --model smollm2 --suite ppl --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 \
-                --prefill 1024 --profile online \
+            eval_cpu_exact --model smollm2 --suite ppl --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" \
+                --context-length 1536 --prefill 1024 --profile online \
                 --method budget=192,exact_rescore=true,standby_pages=24,exact_candidates=3 \
                 --out "$root/levers/ppl-1.5k-replicate-candidates-uniform-online"
             eval_cpu --model smollm2 --suite ppl --page-size 8 --profile online \
