@@ -68,7 +68,8 @@ class FlexiCacheConfig:
             from one whose attention sits on a few; each head between 2 pages and the candidates it chooses from,
             :attr:`candidate_pages` or ``K + C``), fixed for the decode: the same pages and bytes in all, closer to
             dense on every pair of files measured (eval/RESULTS.md); on CUDA each split layer keeps its own
-            FlashInfer plan (1.04x the decode step, H100, BENCHMARKS.md). A layer with one KV head keeps ``K``.
+            FlashInfer plan (8 MiB of workspace on the device and as much page-locked; 1.01-1.04x the decode
+            step, H100, BENCHMARKS.md). A layer with one KV head keeps ``K``.
             ``"uniform"``: ``K`` for every head (the paper's).
         backend: decode kernel: ``"auto"`` (FlashInfer on CUDA when installed, else the torch reference),
             ``"reference"`` or ``"flashinfer"``.
