@@ -145,6 +145,17 @@ for model in ${models[@]}; do
                 --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --profile online --method budget=1024,exact_rescore=true,standby_pages=128 \
                 --out "$root/levers/qwen2.5-coder-synthetic-8k-niah-exact-standby-online"
+            # the defaults: the prompt's split and 3K candidates
+            eval_cpu --model qwen2.5-coder --suite synthetic \
+                --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
+                --profile online \
+                --method budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 \
+                --out "$root/levers/qwen2.5-coder-synthetic-8k-passkey-candidates-online"
+            eval_cpu --model qwen2.5-coder --suite synthetic \
+                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
+                --profile online \
+                --method budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 \
+                --out "$root/levers/qwen2.5-coder-synthetic-8k-niah-candidates-online"
             # the same at 1/16 (budget 512, K = 64 standby pages)
             eval_cpu --model qwen2.5-coder --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
