@@ -302,6 +302,8 @@ PY
                 budget=128,exact_rescore=true,standby_pages=16,head_budgets=prompt,exact_candidates=3 \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/gemma3-ppl-2k-candidates-online"
+            gemma3_exact_8k passkey "$root/levers/gemma3-synthetic-8k-passkey-candidates-online" \
+                budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 --profile online
             gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-candidates-online" \
                 budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 --profile online
             ;;
