@@ -474,7 +474,8 @@ def test_other_sizes_compile_no_new_kernel_variants() -> None:
                            do_sample=False)
         assert cache.stats()["promoted_pages"] > 0  # the decode reranked stable heads and copied pages in
         counts.append(compiled_triton_variants())
-    assert any(counts[0].values()) and not new_variants(counts[0], counts[1]), new_variants(counts[0], counts[1])
+    added = new_variants(counts[0], counts[1])
+    assert any(counts[0].values()) and not added, added
 
 
 def test_collecting_an_old_cache_does_not_break_the_next_capture(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -540,7 +541,8 @@ def test_warm_up_compiles_every_kernel_the_generation_needs(step_graphs: bool) -
                        min_new_tokens=60, do_sample=False)
     stats = cache.stats()
     assert stats["promoted_pages"] > 0 and (stats["step_graph_replays"] > 0) == step_graphs, stats
-    assert not new_variants(compiled, compiled_triton_variants()), new_variants(compiled, compiled_triton_variants())
+    added = new_variants(compiled, compiled_triton_variants())
+    assert not added, added
 
 
 def test_pinned_zeros_is_page_locked_exact_and_unregistered_when_freed(monkeypatch: pytest.MonkeyPatch) -> None:
