@@ -135,7 +135,7 @@ class StepLayerStandIn:
     def graphed_step_plan(self):
         return None
 
-    def begin_graphed_step(self, rerank_flag=None):
+    def begin_graphed_step(self):
         return False, ("storage",)
 
     def finish_graphed_step(self, plan) -> None:
@@ -217,23 +217,6 @@ def test_a_capture_that_fails_leaves_no_staged_chunk_and_runs_eagerly(capture_on
     assert handoff.take(None) is None and cache.step_graphs.eager_reason is not None
     assert cache.step_graphs.failed is None
     assert not cache.step_graphs.steps
-
-
-def test_a_capture_of_conditional_reranks_that_fails_records_one_graph_per_phase(capture_on_cpu) -> None:
-    """Where torch cannot record the reranks as conditional nodes, the step's eager output is kept, the cache warns
-    and records each rerank phase as a graph of its own from the next step on (not layer by layer)."""
-    cache = GraphedCacheStandIn()
-    store = cache.step_graphs
-    store.conditional_reranks = True
-    capture_on_cpu["fail"] = True
-    inputs = {"input_ids": torch.zeros(1, 1, dtype=torch.long)}
-    with pytest.warns(RuntimeWarning, match="conditional nodes"):
-        assert run_graphed_step(cache, ("key",), inputs, lambda static: "first") == "first"
-    assert not store.conditional_reranks and store.eager_reason is None and store.failed is None
-    assert store.rerank_flags is not None and store.loaded_reranks == (False,)  # loaded before the capture
-    capture_on_cpu["fail"] = False
-    assert run_graphed_step(cache, ("key",), inputs, lambda static: "second") == "second"
-    assert store.captures == 1 and list(store.steps) == [(("key",), (False,))]  # keyed by its phase
 
 
 def test_a_layer_graph_that_cannot_be_captured_launches_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:

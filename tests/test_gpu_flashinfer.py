@@ -25,7 +25,7 @@ from transfer_checks import (
 )
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from flexicache import FlexiCache, HeadProfile, decode_graph, disable_step_graphs
+from flexicache import FlexiCache, HeadProfile, disable_step_graphs
 from flexicache.backends import ReferenceBackend, build_decode_layout
 from flexicache.decode_paths import FusedDecode, TorchDecode
 from flexicache.step_graph import StepGraphs
@@ -354,9 +354,7 @@ def test_rerank_and_tail_retirement_kernels_match_torch_at_scale(max_promotions:
 def test_whole_step_graphs_match_eager_generation(settings: dict) -> None:
     """generate() with whole-step CUDA graphs (from_model's default) gives the tokens and logits of the same cache
     run layer by layer, through a padded batch, reranks at every phase, promotions, retirements and growth; most
-    steps replay. One recording serves every rerank phase (conditional nodes), with the tokens and logits of one
-    recording per phase, in fewer recordings. With a split of the pages per layer (head_budgets) each layer replays
-    its own plan."""
+    steps replay. With a split of the pages per layer (head_budgets) each layer replays its own plan."""
     model = tiny_model(4)
     profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim,
                           unstable_heads=[(0, 0), (2, 1), (3, 0)])
@@ -364,32 +362,23 @@ def test_whole_step_graphs_match_eager_generation(settings: dict) -> None:
     mask = torch.ones_like(ids)
     mask[1, :37] = 0
     runs = {}
-    for mode in ("layer by layer", "one recording per phase", "conditional reranks"):
+    for step_graphs in (False, True):
         cache = FlexiCache.from_model(model, profile=profile, token_budget=128, backend="flashinfer", **settings)
-        if mode == "layer by layer":
+        if not step_graphs:
             disable_step_graphs(model)
-        cache.step_graphs.conditional_reranks &= mode == "conditional reranks"
         with torch.inference_mode(), skewed_head_budgets():
             out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=120,
                                  do_sample=False, output_logits=True, return_dict_in_generate=True)
         assert_selected_slots_hold_their_pages(cache)
         assert "head_budgets" not in settings or all(layer.storage.row_pages_key for layer in cache.layers)
-        runs[mode] = out, cache.stats(), cache.step_graphs.conditional_reranks
-    eager, eager_stats, _ = runs["layer by layer"]
+        runs[step_graphs] = out, cache.stats()
+    (eager, eager_stats), (graphed, graphed_stats) = runs[False], runs[True]
+    assert torch.equal(graphed.sequences, eager.sequences)
+    assert torch.equal(torch.stack(graphed.logits), torch.stack(eager.logits))
     assert eager_stats["step_graph_replays"] == 0
-    for mode in ("one recording per phase", "conditional reranks"):
-        graphed, graphed_stats, _ = runs[mode]
-        assert torch.equal(graphed.sequences, eager.sequences), mode
-        assert torch.equal(torch.stack(graphed.logits), torch.stack(eager.logits)), mode
-        assert graphed_stats["step_graph_replays"] >= 90 and graphed_stats["step_graph_captures"] <= 25, graphed_stats
-        for name in ("promoted_pages", "reranks_stable", "reranks_unstable", "bytes_h2d", "bytes_d2h", "decode_steps"):
-            assert graphed_stats[name] == eager_stats[name], (mode, name)
-    conditional_stats, conditional = runs["conditional reranks"][1:]
-    if not decode_graph.conditional_nodes_supported():
-        pytest.skip(f"torch {torch.__version__} (CUDA {torch.version.cuda}) records no conditional graph nodes")
-    assert conditional, "the conditional reranks fell back to one recording per phase"
-    phase_captures = runs["one recording per phase"][1]["step_graph_captures"]
-    assert conditional_stats["step_graph_captures"] * 2 <= phase_captures, (conditional_stats, phase_captures)
+    assert graphed_stats["step_graph_replays"] >= 90 and graphed_stats["step_graph_captures"] <= 25, graphed_stats
+    for name in ("promoted_pages", "reranks_stable", "reranks_unstable", "bytes_h2d", "bytes_d2h", "decode_steps"):
+        assert graphed_stats[name] == eager_stats[name], name
 
 
 def test_a_plain_cache_switches_the_model_calling_it_to_whole_step_graphs() -> None:

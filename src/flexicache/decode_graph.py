@@ -136,32 +136,6 @@ def capture(launch: Callable[[], None], device: torch.device, pool: tuple | None
     return graph
 
 
-def conditional_nodes_supported() -> bool:
-    """Whether this torch build can record conditional (IF) nodes into a CUDA graph under stream capture (its
-    ``CUDAGraph`` API for them, CUDA 12.4 or later)."""
-    graph_type = torch.cuda.CUDAGraph
-    if not all(hasattr(graph_type, name) for name in ("get_currently_capturing_graph", "begin_capture_to_if_node")):
-        return False
-    version = torch.version.cuda
-    return version is not None and tuple(int(part) for part in version.split(".")[:2]) >= (12, 4)
-
-
-def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (``False`` without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def if_on_device(flag: torch.Tensor, work: Callable[[], None]) -> None:
-    """Record ``work`` into the graph being captured as a conditional node: each replay runs it only when ``flag``
-    (a one-element ``bool`` tensor on the device, read at replay) is ``True``. Call only while :func:`capturing`."""
-    graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
-    graph.begin_capture_to_if_node(flag)
-    try:
-        work()
-    finally:
-        graph.end_capture_to_conditional_node()
-
-
 _streams: dict[torch.device, torch.cuda.Stream] = {}
 
 

@@ -26,7 +26,6 @@ import torch
 
 from flexicache.backends import DecodeBackend, PreparedBackend, triton_available
 from flexicache.config import FlexiCacheConfig
-from flexicache import decode_graph
 from flexicache.decode_graph import DecodeGraph, StepInputs
 from flexicache.paging import grown_size
 from flexicache.selection import exact_page_scores, quest_page_scores, select_candidates, select_pages
@@ -289,8 +288,6 @@ class GraphedDecode(FusedDecode):
         self.scale: float | None = None  # the attention's softmax scale, seen at the first decode step
         self._launch: tuple | None = None  # (what it reads, launch, storage key) of the last _step_launch
         self.recorded_rerank = False  # whether the step a whole-step graph records reranks the stable heads
-        # or, where the recording covers every rerank phase: the device flag its replays read to decide
-        self.rerank_flag: torch.Tensor | None = None
         self.recorded_launch: Launch | None = None  # and the launch it records
         self.exact_scratch: ExactScratch | None = None  # with exact_rescore: the scratch the last launch writes
 
@@ -407,13 +404,10 @@ class GraphedDecode(FusedDecode):
                 offloaded.host.k, offloaded.host.v, offloaded.selected, offloaded.selected_scores))
         return launch, storage_key
 
-    def prepare_recording(self, plan: AppendPlan, rerank: bool, rerank_flag: torch.Tensor | None = None
-                          ) -> tuple[bool, tuple]:
-        """Set up :meth:`record_step` for the step ``plan`` (``rerank``: whether its stable heads rerank; with
-        ``rerank_flag``, a one-element ``bool`` device tensor, a captured graph reranks at each replay where the flag
-        is set, so one recording serves every rerank phase); returns the key of the recorded work:
-        ``(rerank, storage key)``."""
-        self.recorded_rerank, self.rerank_flag = rerank, rerank_flag
+    def prepare_recording(self, plan: AppendPlan, rerank: bool) -> tuple[bool, tuple]:
+        """Set up :meth:`record_step` for the step ``plan`` (``rerank``: whether its stable heads rerank); returns
+        the key of the recorded work: ``(rerank, storage key)``."""
+        self.recorded_rerank = rerank
         self.recorded_launch, storage_key = self.recording_launch(plan)
         return rerank, storage_key
 
@@ -434,14 +428,8 @@ class GraphedDecode(FusedDecode):
         if storage.resident is not None:
             open_pages(storage.resident.table, storage.write_slots, storage.unstable_index, step.page, step.offset,
                        storage.open_start)
-        if storage.offloaded is not None:
-            def rerank() -> None:  # scores the metadata's whole capacity: a width that does not change per step
-                self.rerank_stable(query, step.num_tokens, storage.meta.kmin.shape[2])
-
-            if self.rerank_flag is not None and decode_graph.capturing():
-                decode_graph.if_on_device(self.rerank_flag, rerank)
-            elif self.recorded_rerank:  # the step run once before its capture, or a recording of one phase
-                rerank()
+        if self.recorded_rerank:  # scores the metadata's whole capacity: a width that does not change per step
+            self.rerank_stable(query, step.num_tokens, storage.meta.kmin.shape[2])
         # The recorded step's own tensors are static inside its graph: no copy into the graph's buffers.
         self.recorded_launch(keys, values, rows_query.contiguous())
         return self.graph.output

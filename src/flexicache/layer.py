@@ -299,13 +299,10 @@ class FlexiLayer(CacheLayerMixin):
         """The plan of this layer's next decode step (computed once per step, shared by the layers)."""
         return self.sequence.plan_chunk(self.num_chunks, None, self.storage.batch_size, 1, self.device, decode=True)
 
-    def begin_graphed_step(self, rerank_flag: torch.Tensor | None = None) -> tuple[bool, tuple]:
+    def begin_graphed_step(self) -> tuple[bool, tuple]:
         """Host side of a decode step whose device work a whole-step graph replays: what ``update`` and
         :meth:`decode` do on the host (pool slots and host-tier room for the pages the step opens and retires,
-        counters, the backend's plan, the step's static inputs); prepares the recorded work (``rerank_flag``: the
-        device flag that decides at each replay whether the stable heads rerank, see
-        :meth:`~flexicache.decode_paths.GraphedDecode.prepare_recording`; ``None``: the recording is of this step's
-        rerank phase).
+        counters, the backend's plan, the step's static inputs); prepares the recorded work.
 
         Returns:
             The key of the recorded work: whether the stable heads rerank, and the storage it reads.
@@ -314,7 +311,7 @@ class FlexiLayer(CacheLayerMixin):
         if self.storage.offloaded is not None:  # before the recorded work (a capture cannot wait on it)
             self.storage.offloaded.await_tier_writes()
         self.reserve_graphed_step(plan)
-        key = self.graphed.prepare_recording(plan, self.rerank_due(plan), rerank_flag)
+        key = self.graphed.prepare_recording(plan, self.rerank_due(plan))
         self.finish_graphed_step(plan)
         return key
 

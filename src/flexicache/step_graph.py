@@ -17,13 +17,10 @@ the GPU by :meth:`StepGraphStore.prepare_next_step`; the layers' reservations on
 the rest of the bookkeeping (:meth:`StepGraphStore.finish_replay`) runs after the replay is launched, while the GPU
 works.
 
-A graph is recorded for every new key: the shapes of the inputs, the other arguments and the storage of every
-buffer the recorded work reads (anything that reallocates, e.g. a page pool that grows, drops the cache's graphs and
-records again). At a step with a new key the forward runs once eagerly (the step's real work) and is then captured
-for the later steps. Which layers rerank their stable heads changes from step to step (``rerank_interval`` phases,
-staggered over the layers): each layer's rerank is recorded as a CUDA graph conditional node that reads a flag
-loaded before every replay, so one recording serves every phase. Where torch cannot record conditional nodes (CUDA
-before 12.4, or a capture of one fails), the phase is part of the key: one recording per phase.
+A graph is recorded for every new key: the shapes of the inputs, the other arguments, which layers rerank their
+stable heads at this step (``rerank_interval`` phases) and the storage of every buffer the recorded work reads
+(anything that reallocates, e.g. a page pool that grows, drops the cache's graphs and records again). At a step
+with a new key the forward runs once eagerly (the step's real work) and is then captured for the later steps.
 The ``attention_mask`` is not passed to the recorded forward (its width grows every step): at decode the
 flexicache attention takes padding from the cache, not from the mask. Positions must be step inputs: when the
 caller passes neither ``position_ids`` nor ``cache_position`` (a hand-written decode loop), they are made here from
@@ -31,8 +28,8 @@ the cache length, as the model would. Whatever else the forward computes on the 
 forward that reads the device from the host (e.g. data-dependent control flow) cannot be captured, and the cache
 then falls back to eager steps with a warning. Every other call (prefill, another cache, layers on the CPU or on
 several GPUs, ``cuda_graphs=False``, a model with sliding-window layers: :data:`HYBRID_REFUSAL`) runs the model's
-forward unchanged. Graphs belong to one cache: a new cache records them again (one step's eager run and capture,
-about 0.1-0.2 s for an 8B-shaped model), so very short generations gain little.
+forward unchanged. Graphs belong to one cache: a new cache
+records them again, so generations shorter than about two rerank intervals gain nothing.
 
 A cache takes part by deriving from :class:`SupportsStepGraphs` (its :class:`StepGraphStore` drives its layers through
 the small :class:`StepLayer` protocol); this module imports no cache. A recorded step keeps its output without the
@@ -54,9 +51,8 @@ import torch
 from transformers import PreTrainedModel
 
 from flexicache import handoff
-from flexicache import decode_graph
 from flexicache.decode_graph import capture, capture_stream
-from flexicache.sequence import AppendPlan, SequenceState, host_to_device
+from flexicache.sequence import AppendPlan, SequenceState
 from flexicache.warn_once import warn_once
 
 
@@ -71,7 +67,7 @@ class StepLayer(Protocol):
 
     def graphed_step_plan(self) -> AppendPlan: ...
 
-    def begin_graphed_step(self, rerank_flag: torch.Tensor | None = None) -> tuple[bool, tuple]: ...
+    def begin_graphed_step(self) -> tuple[bool, tuple]: ...
 
     def reserve_graphed_step(self, plan: AppendPlan) -> None: ...
 
@@ -127,12 +123,6 @@ class StepGraphStore:
         self.failed: str | None = None  # an exception inside a graphed step left the cache's state incomplete
         self.next_reranks: tuple[AppendPlan, tuple[bool, ...]] | None = None  # prepare_next_step's, for its plan
         self.driven = False  # a model forward wrapped by enable_step_graphs has run with this cache
-        # One recording for every rerank phase: each layer's stable rerank is a conditional node of the graph that
-        # reads the layer's entry of ``rerank_flags`` ([L] bool on the device, loaded before each replay). False
-        # (a torch without conditional nodes, or a capture of one that failed): one recording per phase.
-        self.conditional_reranks = decode_graph.conditional_nodes_supported()
-        self.rerank_flags: torch.Tensor | None = None
-        self.loaded_reranks: tuple[bool, ...] | None = None  # what rerank_flags holds
         self.unwrapped_seen = False  # a decode step came from a forward never wrapped (forward_guard's adoption)
 
     def clear(self) -> None:
@@ -153,7 +143,6 @@ class StepGraphStore:
         self.clear()
         self.next_reranks = None
         self.failed = None
-        self.rerank_flags = self.loaded_reranks = None
 
     def ready(self) -> bool:
         """Whether the next decode step's device work can run from a whole-step CUDA graph: every layer, all on one
@@ -169,25 +158,7 @@ class StepGraphStore:
     def begin(self) -> tuple[tuple[bool, tuple], ...]:
         """Host side of the next decode step (all layers); its device work must then run from a graph recorded
         under :meth:`recording`. Returns each layer's key of that work (whether it reranks, the storage it reads)."""
-        if not self.conditional_reranks:
-            return tuple(layer.begin_graphed_step() for layer in self.layers)
-        device = self.layers[0].device
-        if self.rerank_flags is None or self.rerank_flags.device != device:
-            with torch.inference_mode(False):  # loaded by copies at steps run in any grad mode
-                self.rerank_flags = torch.zeros(len(self.layers), dtype=torch.bool, device=device)
-            self.loaded_reranks = None
-        return tuple(layer.begin_graphed_step(self.rerank_flags[index]) for index, layer in enumerate(self.layers))
-
-    def phase_key(self, reranks: tuple[bool, ...]) -> tuple[bool, ...] | None:
-        """The part of a recorded step's key that its rerank phase (which layers rerank, ``reranks``) decides:
-        ``reranks``, or ``None`` with :attr:`conditional_reranks` (one recording serves every phase), after loading
-        ``reranks`` into the flags the recording reads. Call right before the step is recorded or replayed."""
-        if not self.conditional_reranks:
-            return reranks
-        if reranks != self.loaded_reranks:
-            self.rerank_flags.copy_(host_to_device(torch.tensor(reranks), self.rerank_flags.device))
-            self.loaded_reranks = reranks
-        return None
+        return tuple(layer.begin_graphed_step() for layer in self.layers)
 
     def prepare_replay(self, storage: tuple) -> tuple[tuple[bool, ...], AppendPlan] | None:
         """Before replaying a recorded step whose graphs read ``storage`` (the storage part of the last
@@ -351,7 +322,7 @@ def run_graphed_step(cache: SupportsStepGraphs, key: tuple, tensors: dict[str, t
         # nothing appended since the last step run here
         if store.storage_layout is not None and store.chunks_seen == store.sequence.num_chunks:
             prepared = store.prepare_replay(store.storage_layout)
-            recorded = store.steps.get((key, store.phase_key(prepared[0]))) if prepared is not None else None
+            recorded = store.steps.get((key, prepared[0])) if prepared is not None else None
             if recorded is not None:
                 output = _replay(store, recorded, tensors, cache)
                 store.finish_replay(prepared[1])
@@ -362,7 +333,7 @@ def run_graphed_step(cache: SupportsStepGraphs, key: tuple, tensors: dict[str, t
         if storage != store.storage_layout:  # something reallocated: the recorded graphs read freed memory
             store.clear()
             store.storage_layout = storage
-        key = (key, store.phase_key(rerank))
+        key = (key, rerank)
         recorded = store.steps.get(key)
         output = (_record(store, key, cache, tensors, forward) if recorded is None
                   else _replay(store, recorded, tensors, cache))
@@ -407,12 +378,6 @@ def _record(store: StepGraphStore, key: tuple, cache: Any, tensors: dict[str, to
         except RuntimeError as error:  # e.g. the forward reads a device value on the host (not capturable)
             handoff.clear_staged()  # a layer's update recorded before the capture failed: nothing will take it
             store.clear()
-            if store.conditional_reranks:  # try again without conditional nodes at the next step
-                store.conditional_reranks = False
-                warn_once(f"FlexiCache: the stable heads' reranks could not be recorded as conditional nodes of a "
-                          f"CUDA graph ({error}); each rerank phase is recorded as a graph of its own.",
-                          RuntimeWarning, stacklevel=3)
-                return output
             store.eager_reason = f"{type(error).__name__}: {error}"
             warnings.warn(f"FlexiCache: this model's decode step cannot be captured as a CUDA graph ({error}); "
                           "the cache runs its steps layer by layer from now on.", RuntimeWarning, stacklevel=3)
