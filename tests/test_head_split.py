@@ -73,11 +73,10 @@ def test_the_first_chunks_wait_for_the_last_layer(monkeypatch: pytest.MonkeyPatc
     assert split.parked[0].last_query.untyped_storage().data_ptr() != query.untyped_storage().data_ptr()
     assert split.park(chunks[1], query, None, SETTINGS, []) == [[1], []]
     assert [(entry.layer, entry.chunk) for entry in split.parked] == [(layers[0], chunks[0]), (layers[1], chunks[1])]
-    assert split.num_unstable == 1
     split.release_first()  # the caller stored the first chunk; the second stays parked until it is stored
     assert [entry.layer for entry in split.parked] == [layers[1]] and split.interrupted
     split.reset()
-    assert split.parked == [] and split.num_unstable == 0 and not split.interrupted
+    assert split.parked == [] and not split.interrupted
 
 
 def test_a_parked_chunk_owns_its_storage(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,13 +157,13 @@ def test_a_cache_without_a_profile_splits_its_heads_over_every_layer_at_the_firs
     count = max(math.ceil(len(flat) / 4), 2 * 4)  # a quarter of 16, but at least HeadProfile.default's 2 layers x 4
     lowest = flat.argsort(stable=True)[:count].tolist()  # over all layers
     assert chosen == [[head for head in range(4) if layer * 4 + head in lowest] for layer in range(4)]
-    assert cache.stats()["unstable_heads"] == cache.head_split.num_unstable == 8 and cache.head_split.parked == []
+    assert cache.stats()["unstable_heads"] == 8 and cache.head_split.parked == []
     for layer in cache.layers:
         assert layer.storage.unstable_heads == layer.unstable_heads
     cache.reset()  # a new prompt is estimated again
-    assert cache.head_split.num_unstable == 0
+    assert all(layer.awaits_head_split for layer in cache.layers)
     greedy(model, random_prompt(300, seed=3).view(1, -1), cache, max_new_tokens=4)
-    assert cache.head_split.num_unstable == sum(len(layer.unstable_heads) for layer in cache.layers) == 8
+    assert sum(len(layer.unstable_heads) for layer in cache.layers) == 8
 
 
 def test_parked_first_chunks_are_stored_as_a_profile_of_the_same_heads_stores_them() -> None:

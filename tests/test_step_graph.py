@@ -54,17 +54,17 @@ def test_enable_is_idempotent_and_cuda_graphs_false_installs_nothing() -> None:
     assert enable_step_graphs(model) is wrapper and wrapper.eager_forward.__func__ is LlamaForCausalLM.forward
 
 
-def test_detached_copies_every_tensor_of_an_output() -> None:
+def test_a_replayed_output_is_a_copy_of_every_tensor() -> None:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from flexicache.step_graph import _detached
+    from flexicache.step_graph import _copied_output
 
     logits = torch.ones(2, 1, 4)
     output = CausalLMOutputWithPast(logits=logits, past_key_values=None)
-    copy = _detached(output)
+    copy = _copied_output(output)
     logits.zero_()  # the next replay overwrites the recorded output
     assert type(copy) is CausalLMOutputWithPast and torch.equal(copy.logits, torch.ones(2, 1, 4))
-    nested = _detached((logits, [logits], None))
+    nested = _copied_output((logits, [logits], None))
     assert nested[0] is not logits and nested[1][0] is not logits and nested[2] is None
 
 

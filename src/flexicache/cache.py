@@ -97,7 +97,8 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         self.head_split = OnlineHeadSplit(sum(kind.sparse for kind in kinds)) if online else None
         _, num_kv_heads, _ = model_shape(config)
         self.sequence = SequenceState(self.settings.page_size)
-        self.backends: dict[torch.device, DecodeBackend] = {}  # one backend (and plan) per device, for all layers
+        # one backend per device, shared by the layers (its plan too, but for layers with their own split of the pages)
+        self.backends: dict[torch.device, DecodeBackend] = {}
         self.step_inputs: dict[torch.device, StepInputs] = {}  # per-step device inputs of the CUDA-graph path
         layers = [
             FlexiLayer(index, self.settings, self.profile.unstable_heads_of(index), num_kv_heads, self.sequence,
@@ -163,8 +164,9 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
     def sparse_layer_indices(self) -> list[int]:
         """The model layers this cache serves as sparse paged layers (the others are sliding-window layers)."""
         return [index for index, layer in enumerate(self.layers) if isinstance(layer, FlexiLayer)]
-    def _other_layers(self) -> list[Any]:
-        """The cache's layers of other types (each crops and selects requests itself)."""
+
+    def _sliding_layers(self) -> list[SlidingWindowLayer]:
+        """The cache's sliding-window layers (each crops and selects requests itself)."""
         return [layer for layer in self.layers if not isinstance(layer, FlexiLayer)]
 
     def _wait_for_zero_copy_kernels(self) -> None:
@@ -212,7 +214,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         if keep <= 0:
             self.reset()
             return
-        for layer in self._other_layers():  # first: a window layer that cannot roll back refuses before any change
+        for layer in self._sliding_layers():  # first: a window layer that cannot roll back refuses before any change
             layer.crop(tokens_to_remove)
         before = self.sequence.num_tokens_host
         with self._reset_if_interrupted():
@@ -229,7 +231,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
             raise ValueError(f"batch_repeat_interleave takes repeats >= 1, got {repeats}.")
         if self.sequence.logical_length and repeats > 1:
             self._select(torch.arange(self.sequence.batch_size).repeat_interleave(repeats))
-            for layer in self._other_layers():
+            for layer in self._sliding_layers():
                 layer.batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -237,7 +239,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         if self.sequence.logical_length:
             index = _request_index(indices, self.sequence.batch_size)
             self._select(index)
-            for layer in self._other_layers():
+            for layer in self._sliding_layers():
                 layer.batch_select_indices(index)
 
     def _select(self, index: torch.Tensor) -> None:
@@ -286,6 +288,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         ``reranks_unstable``/``reranks_stable`` (rows reranked: one row is one
         request x one KV head), ``promoted_pages``, ``bytes_h2d``/``bytes_d2h``, ``decode_steps``, ``backend``,
         ``step_graph_captures``/``step_graph_replays`` (decode steps recorded / replayed as whole-step CUDA graphs),
+        ``unstable_heads`` (KV heads kept unstable, all layers), ``token_budget``,
         ``host_pool_in_use_bytes``/``host_pool_reserved_bytes`` (the process's pinned host pool: lent to host tiers /
         registered, :mod:`flexicache.host_pool`).
         """

@@ -13,6 +13,7 @@ HostDtypeName = Literal["auto", "float8_e4m3fn"]
 StandbyName = Literal["auto", "quarter"]
 HeadBudgetsName = Literal["uniform", "prompt"]
 STANDBY_NAMES: tuple[str, ...] = get_args(StandbyName)  # standby_pages spelled as a share of K
+PROMPT_TAIL_QUERIES = 64  # prompt-tail queries the online head split and the prompt's page split read
 MAX_EXACT_CANDIDATES = 8  # an unstable head's exact-rescoring candidates, in multiples of K
 MAX_WORKING_SET_SLOTS = 4096  # K + C: device slots per stable head (the fused rerank holds them in registers)
 
@@ -160,7 +161,7 @@ class FlexiCacheConfig:
         if not isinstance(self.head_budgets, str) or self.head_budgets not in get_args(HeadBudgetsName):
             raise ValueError(f"head_budgets must be 'uniform' (K pages per head) or 'prompt' (split across each "
                              f"layer's heads at the prompt), got {self.head_budgets!r}.")
-        if not isinstance(self.backend, str) or self.backend not in ("auto", "reference", "flashinfer"):
+        if not isinstance(self.backend, str) or self.backend not in get_args(BackendName):
             raise ValueError(f"backend must be 'auto', 'reference' or 'flashinfer', got {self.backend!r}.")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}.")
@@ -170,7 +171,7 @@ class FlexiCacheConfig:
             object.__setattr__(self, name, value)
         if self.max_cache_len is not None:
             object.__setattr__(self, "max_cache_len", _positive_tokens(self.max_cache_len))
-        if not isinstance(self.host_dtype, str) or self.host_dtype not in ("auto", "float8_e4m3fn"):
+        if not isinstance(self.host_dtype, str) or self.host_dtype not in get_args(HostDtypeName):
             raise ValueError(f"host_dtype must be 'auto' (the KV's dtype) or 'float8_e4m3fn' (half the host memory), "
                              f"got {self.host_dtype!r}.")
 

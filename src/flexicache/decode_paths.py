@@ -289,7 +289,7 @@ class GraphedDecode(FusedDecode):
         self._launch: tuple | None = None  # (what it reads, launch, storage key) of the last _step_launch
         self.recorded_rerank = False  # whether the step a whole-step graph records reranks the stable heads
         self.recorded_launch: Launch | None = None  # and the launch it records
-        self.exact_scratch: ExactScratch | None = None  # with exact_rescore: the scratch the last launch writes
+        self.exact_buffers: ExactScratch | None = None  # with exact_rescore: the scratch the last launch writes
 
     def run(self, keys: torch.Tensor, values: torch.Tensor, rows_query: torch.Tensor, plan: AppendPlan,
             scale: float) -> torch.Tensor:
@@ -348,9 +348,9 @@ class GraphedDecode(FusedDecode):
         exact = None
         if self.settings.exact_rescore:  # its scratch is kept while it fits: a captured graph writes it
             group = graph.query.shape[1]
-            if self.exact_scratch is None or not self.exact_scratch.fits(inputs, group):
-                self.exact_scratch = exact_scratch(inputs, group)
-            exact = ExactInputs(graph.query, storage.pool.k, self.scale, self.exact_scratch)
+            if self.exact_buffers is None or not self.exact_buffers.fits(inputs, group):
+                self.exact_buffers = exact_scratch(inputs, group)
+            exact = ExactInputs(graph.query, storage.pool.k, self.scale, self.exact_buffers)
         output, run_prepared = graph.output, self.backend.run_prepared
         basis = storage.basis  # the page boxes' axes (principal_bounds): set by the prefill, kept
         bound_keys, bound_query = graph.bound_keys, graph.bound_query

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from flexicache.config import FlexiCacheConfig
+from flexicache.config import PROMPT_TAIL_QUERIES, FlexiCacheConfig
 
-WINDOW = 64  # prompt-tail queries whose attention the split reads
+WINDOW = PROMPT_TAIL_QUERIES  # prompt-tail queries whose attention the split reads
 QUERY_BLOCK = 16  # window queries per attention block (bounds the [Hq, block, T] logits of a long prompt)
 
 

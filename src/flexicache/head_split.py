@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
-from flexicache.config import FlexiCacheConfig
+from flexicache.config import PROMPT_TAIL_QUERIES, FlexiCacheConfig
 from flexicache.handoff import StagedChunk
 from flexicache.profiling.online import prompt_stability
 
-WINDOW = 64  # prompt-tail query positions the estimate reads
+WINDOW = PROMPT_TAIL_QUERIES  # prompt-tail query positions the estimate reads (those the page split reads)
 UNSTABLE_FRACTION = 0.25  # of the heads with a score, as the offline profiler's default
 MAX_DISTANCE = 16  # step distances the stability is averaged over (the rerank interval's default)
 
@@ -74,12 +74,10 @@ class OnlineHeadSplit:
         self.num_layers = num_layers
         self.parked: list[ParkedChunk] = []
         self.abandoned: list[int] = []  # layers whose parked chunks an interrupted forward left (dropped)
-        self.num_unstable = 0  # the heads the last decision made unstable
 
     def reset(self) -> None:
         self.parked.clear()
         self.abandoned.clear()
-        self.num_unstable = 0
 
     @property
     def interrupted(self) -> bool:
@@ -116,10 +114,8 @@ class OnlineHeadSplit:
                                        None if real_tokens is None else _owning(real_tokens), scores, list(fallback)))
         if len(self.parked) < self.num_layers:
             return []
-        decided = unstable_heads_by_score([entry.scores.cpu() for entry in self.parked],
-                                [entry.fallback for entry in self.parked])
-        self.num_unstable = sum(map(len, decided))
-        return decided
+        return unstable_heads_by_score([entry.scores.cpu() for entry in self.parked],
+                                       [entry.fallback for entry in self.parked])
 
 
 def unstable_heads_by_score(scores: Sequence[torch.Tensor], fallbacks: Sequence[list[int]]) -> list[list[int]]:

@@ -36,7 +36,8 @@ class FlexiLayer(CacheLayerMixin):
 
     Args:
         sequence: the cache's per-request bookkeeping, shared by its layers.
-        backends: the cache's decode backend per device, shared by its layers (one plan per step).
+        backends: the cache's decode backend per device, shared by its layers (one plan per step, but for layers
+            with their own split of the pages, ``head_budgets="prompt"``, which keep their own).
         step_inputs: the cache's per-step device inputs of the CUDA-graph path, shared by its layers.
     """
 
@@ -270,16 +271,15 @@ class FlexiLayer(CacheLayerMixin):
         offloaded = storage.offloaded
         if offloaded is None:
             return 0
+        due = self.rerank_due(plan)  # read before the phase moves
         offloaded.steps_since_rerank += 1
         offloaded.steps_since_prompt += 1
         if offloaded.steps_since_rerank >= self.settings.rerank_interval:
             offloaded.steps_since_rerank = 0
-        elif offloaded.steps_since_prompt > self.settings.rerank_warmup:
+        if not due:
             return 0
-        width = plan.full_page_width
-        if width:
-            offloaded.counters.reranks += offloaded.num_rows
-        return width
+        offloaded.counters.reranks += offloaded.num_rows
+        return plan.full_page_width
 
     def rerank_due(self, plan: AppendPlan) -> bool:
         """Whether the stable heads rerank at the decode step ``plan`` (no state change)."""
@@ -296,7 +296,9 @@ class FlexiLayer(CacheLayerMixin):
         return self.is_initialized and self.graphed is not None and self.graphed.step_ready(next_pages)
 
     def graphed_step_plan(self) -> AppendPlan:
-        """The plan of this layer's next decode step (computed once per step, shared by the layers)."""
+        """The plan of this layer's next decode step (computed once per step, shared by the layers): the first
+        layer's call takes the step, advancing the cache's :class:`~flexicache.sequence.SequenceState` (its chunk and
+        decode-step counts)."""
         return self.sequence.plan_chunk(self.num_chunks, None, self.storage.batch_size, 1, self.device, decode=True)
 
     def begin_graphed_step(self) -> tuple[bool, tuple]:

@@ -132,7 +132,7 @@ class OffloadedPages:
         ``batch [n]``."""
         return self._rows_of(batch) * self._tier_pages_per_row() + per_row(page, self.num_heads)
 
-    def _tail_slots(self, batch: torch.Tensor) -> torch.Tensor:
+    def _tail_slots_of(self, batch: torch.Tensor) -> torch.Tensor:
         """``[n * h]`` tail slots of the rows of requests ``batch [n]``."""
         return self.base + self._rows_of(batch) * self.slots_per_row + self.slots_per_row - 1
 
@@ -164,7 +164,7 @@ class OffloadedPages:
             self.counters.bytes_d2h += self.host_page_bytes(batch.numel() * self.num_heads)
             return
         page = (plan.before[batch] - 1) // self.page_size  # [n] the full tail page of each request
-        tail_slots = self._tail_slots(batch)
+        tail_slots = self._tail_slots_of(batch)
         self._offload_tails(batch, page, tail_slots)
         rows = self._rows_of(batch)
         # Victim: an empty slot first, else the lowest-scored page. The sink (page 0) is never evicted: earlier
@@ -202,7 +202,7 @@ class OffloadedPages:
     def tail_slots(self) -> torch.Tensor:
         """``[B, h]`` tail slot of every row."""
         batch_size = self.num_rows // self.num_heads
-        return self._tail_slots(torch.arange(batch_size, device=self.pool.k.device)).view(batch_size, -1)
+        return self._tail_slots_of(torch.arange(batch_size, device=self.pool.k.device)).view(batch_size, -1)
 
     def _offload_tails(self, batch: torch.Tensor, page: torch.Tensor, tail_slots: torch.Tensor) -> None:
         """Copy the tail slots ``[n * h]`` of requests ``batch [n]`` to host page ``page [n]`` (one per request)."""
@@ -283,7 +283,7 @@ class OffloadedPages:
         device = self.pool.k.device
         started = host_to_device((plan.before_host > 0).nonzero().view(-1), device)
         if started.numel():  # the old tail page may be partial and exist on the device only
-            self._offload_tails(started, (plan.before[started] - 1) // self.page_size, self._tail_slots(started))
+            self._offload_tails(started, (plan.before[started] - 1) // self.page_size, self._tail_slots_of(started))
         self.counters.bytes_d2h += 2 * new_keys.numel() * self.host.k.element_size()
         self._set_key_centre(new_keys, plan)
         if self.zero_copy:  # the device writes the tokens into the pinned tier (and reads the tails back): no sync
@@ -300,7 +300,7 @@ class OffloadedPages:
                 self._host_keys(new_keys, plan.batch), self.host.k.dtype).cpu()
             self.host.v[batch_host, :, page_host, offset_host] = to_tier_dtype(new_values, self.host.v.dtype).cpu()
         requests = host_to_device((plan.after_host > 0).nonzero().view(-1), device)
-        tail_slots = self._tail_slots(requests)
+        tail_slots = self._tail_slots_of(requests)
         self._to_device(self._host_page_index(requests, (plan.after[requests] - 1) // self.page_size), tail_slots,
                         torch.ones_like(tail_slots, dtype=torch.bool))
         self.counters.bytes_h2d += self.host_page_bytes(requests.numel() * self.num_heads)
@@ -379,14 +379,14 @@ class OffloadedPages:
         moved = ((new_pages < (before + page_size - 1) // page_size) & (after > 0)).nonzero().view(-1)
         if moved.numel():
             batch, page = host_to_device(moved, device), host_to_device(new_pages[moved] - 1, device)
-            tail_slots = self._tail_slots(batch)
+            tail_slots = self._tail_slots_of(batch)
             self._to_device(self._host_page_index(batch, page), tail_slots,
                             torch.ones_like(tail_slots, dtype=torch.bool))
             self._count_copied_to_device(moved.numel() * self.num_heads)
 
     def tail_keys(self, batch: torch.Tensor) -> torch.Tensor:
         """``[n, h, ps, D]`` keys in the tail slots of requests ``batch [n]``."""
-        return self.pool.k[self._tail_slots(batch)].view(batch.numel(), self.num_heads, self.page_size, -1)
+        return self.pool.k[self._tail_slots_of(batch)].view(batch.numel(), self.num_heads, self.page_size, -1)
 
     def take_rows(self, source: OffloadedPages, index: torch.Tensor) -> None:
         """Hold the rows of requests ``index [B']`` (CPU) of ``source`` (another pool's): device slots, selections,
@@ -528,7 +528,7 @@ class OffloadedPages:
         nonempty = (num_tokens > 0).nonzero().view(-1)
         tail_page = ((num_tokens[nonempty] - 1) // self.page_size).to(device)
         nonempty = nonempty.to(device)
-        tail_slots = self._tail_slots(nonempty)
+        tail_slots = self._tail_slots_of(nonempty)
         shape = (nonempty.numel(), self.num_heads, self.page_size, head_dim)
         keys[nonempty, :, tail_page] = self.pool.k[tail_slots].view(shape)  # the tail pages live on the device
         values[nonempty, :, tail_page] = self.pool.v[tail_slots].view(shape)

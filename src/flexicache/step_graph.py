@@ -65,7 +65,7 @@ class StepLayer(Protocol):
 
     def graphed_step_ready(self, next_pages: int) -> bool: ...
 
-    def graphed_step_plan(self) -> AppendPlan: ...
+    def graphed_step_plan(self) -> AppendPlan: ...  # the first layer's call of a step advances the sequence
 
     def begin_graphed_step(self) -> tuple[bool, tuple]: ...
 
@@ -352,7 +352,7 @@ def _replay(store: StepGraphStore, recorded: RecordedStep, tensors: dict[str, to
         recorded.inputs[name].copy_(tensor)
     recorded.graph.replay()
     store.replays += 1
-    return _detached(recorded.output, cache)
+    return _copied_output(recorded.output, cache)
 
 
 def _record(store: StepGraphStore, key: tuple, cache: Any, tensors: dict[str, torch.Tensor],
@@ -405,7 +405,7 @@ def _recordable(output: Any, cache: Any) -> Any:
     return _rebuilt(output, lambda value: _CACHE if value is cache else value)
 
 
-def _detached(output: Any, cache: Any = None) -> Any:
+def _copied_output(output: Any, cache: Any = None) -> Any:
     """A copy of a recorded output whose tensors the next replay does not overwrite, ``cache`` put back."""
     return _rebuilt(output, lambda value: value.clone() if torch.is_tensor(value) else cache if value is _CACHE
                     else value)

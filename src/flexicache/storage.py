@@ -82,32 +82,29 @@ class LayerStorage:
 
     # ------------------------------------------------------------------------------------------------ append
 
-    def prepare_token_slots(self, plan: AppendPlan, in_graph: bool = False) -> None:
-        """Before a single-token append: retire full stable tails, open resident pages, grow the metadata.
-
-        ``in_graph``: only the host side (room in the host tier, pool slots, transfer counts); the device side
-        runs in the graphed step's recorded work, every step, deciding per request on the device.
-        """
-        if self.offloaded is not None:
-            if in_graph:
-                self.offloaded.prepare_retirement(plan.full_pages_before, plan.num_full_tails)
-            elif plan.full_tail_requests is not None:
-                self.offloaded.retire_full_tails(plan.full_tail_requests, plan)
+    def prepare_token_slots(self, plan: AppendPlan) -> None:
+        """Before a single-token append: retire full stable tails, open resident pages, grow the metadata."""
+        if self.offloaded is not None and plan.full_tail_requests is not None:
+            self.offloaded.retire_full_tails(plan.full_tail_requests, plan)
         if self.resident is not None and plan.num_new_pages:
-            if in_graph:
-                self.open_start.fill_(self.resident.reserve_pages(plan))
-            else:
-                self.resident.open_pages(plan)
-                self.write_slots[:, self.unstable_index] = self.resident.tail_slots(plan.after)
+            self.resident.open_pages(plan)
+            self.write_slots[:, self.unstable_index] = self.resident.tail_slots(plan.after)
         self.meta.reserve(plan.max_pages_after)
 
     def reserve_graphed_step(self, plan: AppendPlan) -> None:
-        """Pool slots, page-table, metadata and host-tier room for what the step ``plan`` opens and retires (once
-        per step: a second call with the same plan does nothing). The only part of a graphed step's host work
-        that can reallocate what a recorded graph reads."""
-        if self._reserved_plan is not plan:
-            self.prepare_token_slots(plan, in_graph=True)
-            self._reserved_plan = plan
+        """The host side of :meth:`prepare_token_slots` for a graphed step: pool slots, page-table, metadata and
+        host-tier room (and transfer counts) for what the step ``plan`` opens and retires; the device side runs in
+        the step's recorded work, every step, deciding per request on the device. Once per step (a second call with
+        the same plan does nothing); the only part of a graphed step's host work that can reallocate what a recorded
+        graph reads."""
+        if self._reserved_plan is plan:
+            return
+        if self.offloaded is not None:
+            self.offloaded.prepare_retirement(plan.full_pages_before, plan.num_full_tails)
+        if self.resident is not None and plan.num_new_pages:
+            self.open_start.fill_(self.resident.reserve_pages(plan))
+        self.meta.reserve(plan.max_pages_after)
+        self._reserved_plan = plan
 
     def append_chunk(self, keys: torch.Tensor, values: torch.Tensor, plan: AppendPlan) -> None:
         """Append a chunk of several tokens ``[B, H, T, D]`` to both head classes following ``plan`` (with
