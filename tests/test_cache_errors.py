@@ -219,6 +219,54 @@ def test_a_capture_that_fails_leaves_no_staged_chunk_and_runs_eagerly(capture_on
     assert not cache.step_graphs.steps
 
 
+def test_recordings_after_the_first_capture_at_once_and_replay_for_the_step(capture_on_cpu) -> None:
+    """The first recording on a cache's storage runs the step eagerly, then captures it (two forwards); a recording
+    of another key after it captures at once and replays the graph for the step's work (one forward, the recorded
+    output); new storage (e.g. a growth) runs its first recording eagerly again."""
+    cache = GraphedCacheStandIn()
+    store = cache.step_graphs
+    calls = []
+
+    def forward(static):
+        calls.append(static["input_ids"].item())
+        return {"logits": torch.full((1, 1, 2), float(len(calls))), "past_key_values": cache}
+
+    def step(key: str, token: int):
+        return run_graphed_step(cache, (key,), {"input_ids": torch.full((1, 1), token)}, forward)
+
+    step("first phase", 5)
+    assert calls == [5, 5] and store.warm and store.captures == 1 and store.replays == 0
+    output = step("second phase", 6)
+    assert calls == [5, 5, 6] and store.captures == 2 and store.replays == 1
+    assert output["past_key_values"] is cache and torch.equal(output["logits"], torch.full((1, 1, 2), 3.0))
+    store.clear()  # the storage changed
+    step("first phase", 7)
+    assert calls == [5, 5, 6, 7, 7] and store.captures == 3
+
+
+def test_a_capture_at_once_that_fails_runs_the_step_and_warms_up_from_then_on(capture_on_cpu) -> None:
+    cache = GraphedCacheStandIn()
+    store = cache.step_graphs
+    calls = []
+
+    def forward(static):
+        calls.append(1)
+        return "output"
+
+    inputs = {"input_ids": torch.zeros(1, 1, dtype=torch.long)}
+    run_graphed_step(cache, ("first phase",), inputs, forward)
+    capture_on_cpu["fail"] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not the warning of a model that cannot be captured
+        assert run_graphed_step(cache, ("second phase",), inputs, forward) == "output"
+    assert len(calls) == 4  # the failed capture's forward, then the step's own
+    assert not store.captures_at_once and store.eager_reason is None and store.failed is None and not store.steps
+    capture_on_cpu["fail"] = False
+    run_graphed_step(cache, ("first phase",), inputs, forward)
+    run_graphed_step(cache, ("second phase",), inputs, forward)
+    assert len(calls) == 8 and store.captures == 3  # each recording ran the step eagerly first
+
+
 def test_a_layer_graph_that_cannot_be_captured_launches_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
     graph = decode_graph.DecodeGraph(2, 2, 2, 8, torch.float32, torch.device("cpu"), capture=True)
     launches = []

@@ -29,7 +29,8 @@ def run_script(name: str, *args: str) -> str:
 
 @pytest.mark.parametrize("name", ["gpu_step_profile.py", "gpu_prefill_profile.py", "gpu_prefill_breakdown.py",
                                   "gpu_eigh_overlap.py", "gpu_kernel_sweep.py", "gpu_repeatability.py",
-                                  "gpu_end_to_end.py", "gpu_model_step_profile.py", "gpu_head_budgets.py"])
+                                  "gpu_end_to_end.py", "gpu_model_step_profile.py", "gpu_head_budgets.py",
+                                  "gpu_recording_breakdown.py"])
 def test_gpu_profiling_scripts_parse_their_arguments(name: str) -> None:
     assert "usage:" in run_script(name, "--help")
 

@@ -20,7 +20,9 @@ works.
 A graph is recorded for every new key: the shapes of the inputs, the other arguments, which layers rerank their
 stable heads at this step (``rerank_interval`` phases) and the storage of every buffer the recorded work reads
 (anything that reallocates, e.g. a page pool that grows, drops the cache's graphs and records again). At a step
-with a new key the forward runs once eagerly (the step's real work) and is then captured for the later steps.
+with a new key the forward is captured for the later steps; the first such step on a cache's storage runs it once
+eagerly before (the step's real work; it compiles the kernels of the storage's shapes), the later ones (the other
+rerank phases) replay the fresh graph instead, which halves their recording time.
 The ``attention_mask`` is not passed to the recorded forward (its width grows every step): at decode the
 flexicache attention takes padding from the cache, not from the mask. Positions must be step inputs: when the
 caller passes neither ``position_ids`` nor ``cache_position`` (a hand-written decode loop), they are made here from
@@ -116,6 +118,10 @@ class StepGraphStore:
         self.storage_layout: tuple | None = None
         self.chunks_seen: int | None = None  # the cache's chunk count after the last step run here
         self.pool: tuple | None = None  # one memory pool shared by the graphs (replayed one at a time)
+        # a step was captured on the current storage: later recordings capture at once (see _record), while
+        # captures_at_once (cleared for good by one that failed) allows it
+        self.warm = False
+        self.captures_at_once = True
         self.captures = 0
         self.replays = 0
         # why this cache runs its steps eagerly (hybrid model, a forward that cannot be captured); None: it need not
@@ -131,6 +137,7 @@ class StepGraphStore:
         self.storage_layout = None
         self.chunks_seen = None
         self.pool = None
+        self.warm = False
 
     def reset_after_failure(self) -> None:
         """Drop what a step that raised may have left: its graphs and a chunk staged for an attention that never
@@ -357,8 +364,12 @@ def _replay(store: StepGraphStore, recorded: RecordedStep, tensors: dict[str, to
 
 def _record(store: StepGraphStore, key: tuple, cache: Any, tensors: dict[str, torch.Tensor],
             forward: Callable[[dict[str, torch.Tensor]], Any]) -> Any:
-    """Run the prepared step once eagerly on the capture stream (the step's work, whose output is returned; it also
-    warms that stream up, e.g. cuBLAS), then capture the same forward for the later steps."""
+    """Capture the prepared step for the later steps and do its work. The first recording on a cache's storage runs
+    the step once eagerly on the capture stream first (its work, whose output is returned): that compiles the kernel
+    variants of the storage's shapes, which a capture cannot, and warms the stream up (e.g. cuBLAS). A later one
+    (another rerank phase) captures at once and replays the graph for the step's work: one forward of Python instead
+    of two (each about half of a recording's time); should that capture fail, the step runs eagerly and every later
+    recording of the cache runs the step eagerly before it captures."""
     with torch.inference_mode(False):  # each replay copies its step's inputs in, whatever grad mode it runs in
         inputs = {name: tensor.clone() for name, tensor in tensors.items()}
     device = next(iter(inputs.values())).device
@@ -366,24 +377,36 @@ def _record(store: StepGraphStore, key: tuple, cache: Any, tensors: dict[str, to
         store.pool = torch.cuda.graph_pool_handle()
     current, stream = torch.cuda.current_stream(device), capture_stream(device)
     outputs: list[Any] = []
+    warm = store.warm and store.captures_at_once
     with store.recording():
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            output = forward(inputs)
-        # The output was allocated on the capture stream and is read on the current one; its blocks are reused by
-        # the capture stream only after the next wait_stream(current) above, so no record_stream is needed.
-        current.wait_stream(stream)
+        if not warm:
+            output = _run_on(stream, current, lambda: forward(inputs))
         try:
             graph = capture(lambda: outputs.append(forward(inputs)), device, pool=store.pool)
         except RuntimeError as error:  # e.g. the forward reads a device value on the host (not capturable)
             handoff.clear_staged()  # a layer's update recorded before the capture failed: nothing will take it
             store.clear()
+            if warm:  # the step's work is still to do; every later recording runs eagerly before it captures
+                store.captures_at_once = False
+                return _run_on(stream, current, lambda: forward(inputs))
             store.eager_reason = f"{type(error).__name__}: {error}"
             warnings.warn(f"FlexiCache: this model's decode step cannot be captured as a CUDA graph ({error}); "
                           "the cache runs its steps layer by layer from now on.", RuntimeWarning, stacklevel=3)
             return output
-    store.steps[key] = RecordedStep(graph, inputs, _recordable(outputs[0], cache))
+    recorded = store.steps[key] = RecordedStep(graph, inputs, _recordable(outputs[0], cache))
     store.captures += 1
+    store.warm = True
+    return _replay(store, recorded, tensors, cache) if warm else output
+
+
+def _run_on(stream: torch.cuda.Stream, current: torch.cuda.Stream, work: Callable[[], Any]) -> Any:
+    """``work()`` on ``stream``, ordered after the ``current`` stream's work and before its next."""
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        output = work()
+    # The output was allocated on the capture stream and is read on the current one; its blocks are reused by the
+    # capture stream only after its next wait_stream(current), so no record_stream is needed.
+    current.wait_stream(stream)
     return output
 
 
