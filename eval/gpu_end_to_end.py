@@ -12,7 +12,9 @@ On a random-weight model of a real shape (``--shape``, all its layers by default
 
 FlexiCache runs without a profile (the library's default: the head split estimated from the prompt over every layer;
 ``--unstable-fraction F``: a random profile instead, ``--standby-pages quarter``: another standby setting,
-``--skip-dense``: only the FlexiCache rows). A
+``--skip-dense``: only the FlexiCache rows; ``--eager-first-recordings``: the ``from_model`` rows again with every
+whole-step graph recording running its step eagerly before the capture, the A/B of recording a rerank phase at
+once, :func:`flexicache.step_graph._record`). A
 stopping-criteria clock (the device synchronised) times every step: the first interval is prompt to first token
 (the prefill), the rest are decode steps (p50, p99 and p99/p50). Peak device memory is torch's allocator peak over
 the whole ``generate``. One untimed FlexiCache request at full size goes first: the first request of a process
@@ -93,13 +95,21 @@ def measure(name: str, model: Any, ids: torch.Tensor, new_tokens: int, warm_ids:
     row = {"system": name, "new_tokens": new_tokens, "prompt_to_first_token_s": step_ms[0] / 1000,
            **summarize(step_ms[1:]), "step_ms_max": max(step_ms[1:]), "peak_device_gib": (peak(device) or 0) / GIB,
            **slow_steps(step_ms[1:]), "step_ms": [round(ms, 3) for ms in step_ms[1:]]}
-    print(f"{name:<58} p50 {row['step_ms_p50']:7.2f} ms  p99 {row['step_ms_p99']:7.2f} ms  "
+    print(f"{name:<66} p50 {row['step_ms_p50']:7.2f} ms  p99 {row['step_ms_p99']:7.2f} ms  "
           f"(p99/p50 {row['p99_over_p50']:.2f}, max {row['step_ms_max']:.2f})  first token "
           f"{row['prompt_to_first_token_s']:6.2f} s  peak {row['peak_device_gib']:6.1f} GiB", flush=True)
     print(f"  steps > 1.2x median: {row['slow_steps']}, by index mod 16 {row['slow_steps_mod_16']}; slowest "
           f"{row['slowest_steps']}", flush=True)
     release(device)
     return row
+
+
+def from_model_cache(model: Any, settings: dict[str, Any], captures_at_once: bool = True) -> dict[str, Any]:
+    """``generate`` keywords with a ``FlexiCache.from_model`` cache; ``captures_at_once=False``: each of its
+    whole-step graph recordings runs the step eagerly before it captures."""
+    cache = FlexiCache.from_model(model, **settings)
+    cache.step_graphs.captures_at_once = captures_at_once
+    return {"cache": cache}
 
 
 def main() -> None:
@@ -116,6 +126,8 @@ def main() -> None:
     parser.add_argument("--skip-dense", action="store_true", help="only the FlexiCache rows")
     parser.add_argument("--standby-pages", default=None,
                         help="FlexiCache's standby_pages (default: the library's, 'auto'), e.g. quarter or 0")
+    parser.add_argument("--eager-first-recordings", action="store_true",
+                        help="the from_model rows again with every recording running its step eagerly first")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
@@ -143,11 +155,13 @@ def main() -> None:
     release(device)
     rows.append(measure("FlexiCache(config) on the flexicache attention", model, ids, args.new_tokens, warm_ids,
                         lambda: {"cache": FlexiCache(config=config, **settings)}))
-    rows.append(measure("FlexiCache.from_model(model) (whole-step graphs)", model, ids, args.new_tokens, warm_ids,
-                        lambda: {"cache": FlexiCache.from_model(model, **settings)}))
-    if args.long_tokens:
-        rows.append(measure(f"the same, {args.long_tokens} new tokens", model, ids, args.long_tokens, warm_ids,
-                            lambda: {"cache": FlexiCache.from_model(model, **settings)}))
+    for at_once in (True, False) if args.eager_first_recordings else (True,):
+        name = "FlexiCache.from_model(model) (whole-step graphs" + ("" if at_once else ", recorded eagerly first")
+        rows.append(measure(name + ")", model, ids, args.new_tokens, warm_ids,
+                            lambda: from_model_cache(model, settings, at_once)))
+        if args.long_tokens:
+            rows.append(measure(f"the same, {args.long_tokens} new tokens", model, ids, args.long_tokens, warm_ids,
+                                lambda: from_model_cache(model, settings, at_once)))
     print(f"total {time.perf_counter() - start:.0f} s", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({

@@ -4,12 +4,15 @@ A new FlexiCache records one whole-step graph per rerank phase (16 with the defa
 decode steps; each recording runs the step's forward once eagerly, then captures it. This script runs one greedy
 ``generate`` with ``FlexiCache.from_model`` and times, for every recording (the device synchronised around each part):
 
-- ``eager_ms``: the step's forward run once in recording mode (the step's own work);
+- ``eager_ms``: the step's own work: its forward run once in recording mode, or the fresh graph's replay;
 - ``capture_ms``: the same forward under stream capture (host work only: nothing runs);
 - ``instantiate_ms``: ``capture_end``, which ends the capture and instantiates the graph (host time);
 
-beside the median replayed step (``replay_step_ms``). Usage: ``python eval/gpu_recording_breakdown.py [--shape
-llama-3.1-8b] [--layers N] [--context 8192] [--batch 4] [--new-tokens 40] [--out r.json]``.
+beside the median replayed step (``replay_step_ms``). A cache's recordings after its first replay their fresh graph
+for the step's work, so their ``eager_ms`` is that replay; ``--eager-first`` makes every recording run the step's
+forward eagerly before it captures (``StepGraphStore.captures_at_once`` off). Usage: ``python
+eval/gpu_recording_breakdown.py [--shape llama-3.1-8b] [--layers N] [--context 8192] [--batch 4] [--new-tokens 40]
+[--eager-first] [--out r.json]``.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=40)
+    parser.add_argument("--eager-first", action="store_true",
+                        help="every recording runs the step's forward eagerly before it captures")
     parser.add_argument("--out", default=None, help="write the breakdown as JSON here")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -73,6 +78,7 @@ def main() -> None:
             records.clear(), captures.clear(), instantiations.clear()
             clock = StepClock(device)
             cache = FlexiCache.from_model(model, token_budget=args.budget)
+            cache.step_graphs.captures_at_once = not args.eager_first
             with torch.inference_mode():
                 model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                                max_new_tokens=args.new_tokens, do_sample=False,
@@ -88,7 +94,8 @@ def main() -> None:
             for total, capture, instantiate in zip(records, captures, instantiations)]
     replayed = step_ms[len(records) + 1:]
     result = {"shape": args.shape, "layers": config.num_hidden_layers, "batch": args.batch, "context": args.context,
-              "budget": args.budget, "new_tokens": args.new_tokens, "device": torch.cuda.get_device_name(device),
+              "budget": args.budget, "new_tokens": args.new_tokens, "eager_first": args.eager_first,
+              "device": torch.cuda.get_device_name(device),
               "torch": torch.__version__, "recordings": rows, "captures": stats["step_graph_captures"],
               "replays": stats["step_graph_replays"],
               "replay_step_ms": round(statistics.median(replayed), 2) if replayed else None,
