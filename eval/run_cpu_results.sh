@@ -306,6 +306,12 @@ PY
                 budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 --profile online
             gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-candidates-online" \
                 budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 --profile online
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-candidates-online-seed1" \
+                budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 --profile online \
+                --seed 1
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-candidates-online-seed2" \
+                budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 --profile online \
+                --seed 2
             ;;
         levers)  # SmolLM2, one budget: each option of the page selection (and the float8 host tier) on its own and
             # combined; perplexity also with the oracle among the top 2K pages by the box scores (the ceiling of an
