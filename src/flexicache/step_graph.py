@@ -30,8 +30,9 @@ the cache length, as the model would. Whatever else the forward computes on the 
 forward that reads the device from the host (e.g. data-dependent control flow) cannot be captured, and the cache
 then falls back to eager steps with a warning. Every other call (prefill, another cache, layers on the CPU or on
 several GPUs, ``cuda_graphs=False``, a model with sliding-window layers: :data:`HYBRID_REFUSAL`) runs the model's
-forward unchanged. Graphs belong to one cache: a new cache
-records them again, so generations shorter than about two rerank intervals gain nothing.
+forward unchanged. Graphs belong to one cache: a new cache records them again (measured on an H100 for the 8B shape
+at 32 layers: about 120 ms for the first recording, 70 ms for each later one, against a replayed step's 13 ms), so
+a generation pays about 1.2 s of recordings in its first 16 steps.
 
 A cache takes part by deriving from :class:`SupportsStepGraphs` (its :class:`StepGraphStore` drives its layers through
 the small :class:`StepLayer` protocol); this module imports no cache. A recorded step keeps its output without the
