@@ -235,7 +235,7 @@ def test_recordings_after_the_first_capture_at_once_and_replay_for_the_step(capt
         return run_graphed_step(cache, (key,), {"input_ids": torch.full((1, 1), token)}, forward)
 
     step("first phase", 5)
-    assert calls == [5, 5] and store.warm and store.captures == 1 and store.replays == 0
+    assert calls == [5, 5] and store.steps and store.captures == 1 and store.replays == 0
     output = step("second phase", 6)
     assert calls == [5, 5, 6] and store.captures == 2 and store.replays == 1
     assert output["past_key_values"] is cache and torch.equal(output["logits"], torch.full((1, 1, 2), 3.0))

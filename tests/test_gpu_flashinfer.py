@@ -354,7 +354,8 @@ def test_rerank_and_tail_retirement_kernels_match_torch_at_scale(max_promotions:
 def test_whole_step_graphs_match_eager_generation(settings: dict) -> None:
     """generate() with whole-step CUDA graphs (from_model's default) gives the tokens and logits of the same cache
     run layer by layer, through a padded batch, reranks at every phase, promotions, retirements and growth; most
-    steps replay (the recordings after the first of each storage replay their fresh graph). With a split of the pages per layer (head_budgets) each layer replays its own plan."""
+    steps replay (the recordings after the first of each storage replay their fresh graph). With a split of the
+    pages per layer (head_budgets) each layer replays its own plan."""
     model = tiny_model(4)
     profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim,
                           unstable_heads=[(0, 0), (2, 1), (3, 0)])
