@@ -502,6 +502,19 @@ PY
                 --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3 \
                 budget=96,exact_rescore=true,standby_pages=12,head_budgets=prompt,exact_candidates=3 \
                 --out "$root/levers/ppl-1.5k-replicate-candidates-online"
+            echo "+ levers: the share of heads the online split makes unstable (unstable_fraction), the defaults"
+            eval_cpu --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
+                --context-length 1536 --prefill 1024 --profile online \
+                --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,unstable_fraction=0.5 \
+                budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,unstable_fraction=1.0 \
+                budget=96,exact_rescore=true,standby_pages=12,head_budgets=prompt,exact_candidates=3,unstable_fraction=0.5 \
+                --out "$root/levers/ppl-1.5k-unstable-fraction"
+            eval_cpu --model smollm2 --suite ppl --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" \
+                --context-length 1536 --prefill 1024 --profile online \
+                --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,unstable_fraction=0.5 \
+                budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,unstable_fraction=1.0 \
+                budget=96,exact_rescore=true,standby_pages=12,head_budgets=prompt,exact_candidates=3,unstable_fraction=0.5 \
+                --out "$root/levers/ppl-1.5k-replicate-unstable-fraction"
             eval_cpu_exact --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
                 --context-length 1536 --prefill 1024 --profile online \
                 --method budget=192,exact_rescore=true,standby_pages=24,exact_candidates=3 \

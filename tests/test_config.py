@@ -49,6 +49,19 @@ def test_valid_settings_and_other_fields():
             FlexiCacheConfig(max_cache_len=wrong)
 
 
+def test_unstable_fraction_is_a_share_of_the_online_split():
+    assert FlexiCacheConfig(unstable_fraction=1).unstable_fraction == 1.0
+    for wrong in (0, 0.0, -0.25, 1.5, float("nan"), True, "half", None):
+        with pytest.raises(ValueError, match=r"unstable_fraction must be a number in \(0, 1\]"):
+            FlexiCacheConfig(unstable_fraction=wrong)
+    profile = HeadProfile.default(tiny_config())
+    for fixed in (profile, "default"):  # a profile lists its heads: a share for the online split is refused
+        with pytest.raises(ValueError, match=r"unstable_fraction=0.5 sets the share of the online head split.*"
+                                             r"profile=None.*flexicache profile --fraction"):
+            FlexiCache(tiny_config(), profile=fixed, token_budget=32, unstable_fraction=0.5)
+    FlexiCache(tiny_config(), profile=profile, token_budget=32)  # the default share with a profile is no conflict
+
+
 def test_flashinfer_backend_on_cpu_is_refused():
     from flexicache.backends.flashinfer import flashinfer_available
 

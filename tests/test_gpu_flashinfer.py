@@ -349,16 +349,18 @@ def test_rerank_and_tail_retirement_kernels_match_torch_at_scale(max_promotions:
 
 
 @pytest.mark.parametrize("settings", [{}, {"page_size": 8, "rerank_interval": 1, "max_promotions": 2},
-                                      {"page_size": 8, "standby_pages": 5}, {"head_budgets": "prompt"}],
-                         ids=["defaults", "limited-promotions", "standby-pages", "head-budgets"])
+                                      {"page_size": 8, "standby_pages": 5}, {"head_budgets": "prompt"},
+                                      {"unstable_fraction": 1.0}],
+                         ids=["defaults", "limited-promotions", "standby-pages", "head-budgets", "every-head-unstable"])
 def test_whole_step_graphs_match_eager_generation(settings: dict) -> None:
     """generate() with whole-step CUDA graphs (from_model's default) gives the tokens and logits of the same cache
     run layer by layer, through a padded batch, reranks at every phase, promotions, retirements and growth; most
     steps replay (the recordings after the first of each storage replay their fresh graph). With a split of the
-    pages per layer (head_budgets) each layer replays its own plan."""
+    pages per layer (head_budgets) each layer replays its own plan; with every head unstable (the online split's
+    ``unstable_fraction=1.0``) no layer has a host tier."""
     model = tiny_model(4)
-    profile = HeadProfile(num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim,
-                          unstable_heads=[(0, 0), (2, 1), (3, 0)])
+    profile = None if "unstable_fraction" in settings else HeadProfile(
+        num_layers=4, num_kv_heads=2, head_dim=model.config.head_dim, unstable_heads=[(0, 0), (2, 1), (3, 0)])
     ids = torch.randint(0, 512, (3, 500), device="cuda")
     mask = torch.ones_like(ids)
     mask[1, :37] = 0

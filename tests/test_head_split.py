@@ -10,14 +10,25 @@ import weakref
 
 import pytest
 import torch
-from conftest import checked, dense_cache, greedy, left_pad, random_prompt, tiny_config, tiny_model
+from conftest import (
+    assert_batch_matches_alone,
+    assert_same_generation,
+    checked,
+    dense_cache,
+    greedy,
+    left_pad,
+    random_prompt,
+    tiny_config,
+    tiny_model,
+)
 
 from flexicache import FlexiCache, HeadProfile, head_split
-from flexicache.config import FlexiCacheConfig
+from flexicache.config import DEFAULT_UNSTABLE_FRACTION, FlexiCacheConfig
 from flexicache.handoff import StagedChunk
 from flexicache.head_split import OnlineHeadSplit, unstable_heads_by_score
 
 SETTINGS = FlexiCacheConfig(token_budget=32, page_size=16)
+QUARTER = DEFAULT_UNSTABLE_FRACTION
 NAN = float("nan")
 
 
@@ -27,7 +38,7 @@ def rows(*scores: list[float]) -> list[torch.Tensor]:
 
 def test_the_lowest_quarter_of_every_layers_heads_is_unstable() -> None:
     scores = rows([0.9, 0.2, 0.8, 0.7], [0.95, 0.9, 0.85, 0.99], [0.1, 0.15, 0.9, 0.9])
-    assert unstable_heads_by_score(scores, [[0]] * 3) == [[1], [], [0, 1]]  # 3 of 12, wherever they are
+    assert unstable_heads_by_score(scores, [[0]] * 3, QUARTER) == [[1], [], [0, 1]]  # 3 of 12, wherever they are
 
 
 @pytest.mark.parametrize("order", ["rising", "falling"])
@@ -35,7 +46,8 @@ def test_stability_that_changes_with_depth_puts_every_unstable_head_where_it_is_
     """30 layers of 8 heads whose scores rise (or fall) with depth: a quarter of 240 heads, all in the 8 layers
     of lowest scores (a split decided layer by layer could not know that the first layers are the least stable)."""
     levels = range(30) if order == "rising" else range(30, 0, -1)
-    chosen = unstable_heads_by_score(rows(*([level + head / 10 for head in range(8)] for level in levels)), [[]] * 30)
+    chosen = unstable_heads_by_score(rows(*([level + head / 10 for head in range(8)] for level in levels)), [[]] * 30,
+                                     QUARTER)
     full, partial = (range(7), 7) if order == "rising" else (range(23, 30), 22)  # 7 layers of 8, then 4 heads
     expected = [list(range(8)) if layer in full else [0, 1, 2, 3] if layer == partial else [] for layer in range(30)]
     assert chosen == expected
@@ -44,19 +56,29 @@ def test_stability_that_changes_with_depth_puts_every_unstable_head_where_it_is_
 def test_never_fewer_unstable_heads_than_the_default_profile() -> None:
     """Three layers of one head (Gemma-3-270M's paged layers): a quarter is one head, the default profile's two
     (its first two layers) is the floor, and the two lowest scores are chosen wherever they are."""
-    assert unstable_heads_by_score(rows([0.9], [0.1], [0.5]), [[0], [0], []]) == [[], [0], [0]]
-    assert head_split.unstable_count(3, 2) == 2 and head_split.unstable_count(48, 4) == 12
-    assert head_split.unstable_count(2, 5) == 2 and head_split.unstable_count(0, 2) == 0
+    assert unstable_heads_by_score(rows([0.9], [0.1], [0.5]), [[0], [0], []], QUARTER) == [[], [0], [0]]
+    assert head_split.unstable_count(3, 2, QUARTER) == 2 and head_split.unstable_count(48, 4, QUARTER) == 12
+    assert head_split.unstable_count(2, 5, QUARTER) == 2 and head_split.unstable_count(0, 2, QUARTER) == 0
+
+
+def test_the_unstable_fraction_sets_the_share_of_the_scored_heads() -> None:
+    scores = rows([0.9, 0.2, 0.8, 0.7], [0.95, 0.9, 0.85, 0.99], [0.1, 0.15, 0.9, 0.9])
+    assert unstable_heads_by_score(scores, [[0]] * 3, 0.5) == [[1, 2, 3], [2], [0, 1]]  # the lowest 6 of 12
+    assert unstable_heads_by_score(scores, [[0]] * 3, 1.0) == [[0, 1, 2, 3]] * 3
+    assert unstable_heads_by_score(scores, [[0]] * 3, 0.01) == [[1], [], [0, 1]]  # never below the default's 3
+    assert head_split.unstable_count(10, 1, 0.3) == 3  # 0.3 x 10 is 3 (not 4, as its float product rounds up)
+    assert head_split.unstable_count(10, 1, 0.35) == 4 and head_split.unstable_count(10, 1, 0.01) == 1
 
 
 def test_ties_go_to_the_earlier_layer_and_head() -> None:
-    assert unstable_heads_by_score(rows([0.5] * 4, [0.5] * 4), [[], []]) == [[0, 1], []]  # a quarter of 8, not every tie
+    # a quarter of 8, not every tie
+    assert unstable_heads_by_score(rows([0.5] * 4, [0.5] * 4), [[], []], QUARTER) == [[0, 1], []]
 
 
 def test_a_layer_too_short_to_tell_keeps_its_fallback_and_does_not_count() -> None:
-    assert unstable_heads_by_score(rows([NAN] * 3, [0.3, 0.1, 0.2, 0.4]), [[0, 2], [3]]) == [[0, 2], [1]]
-    assert unstable_heads_by_score(rows([NAN] * 2, [NAN] * 2), [[1], []]) == [[1], []]
-    assert unstable_heads_by_score(rows([0.3, NAN, 0.2]), [[1]]) == [[2]]  # a head without a score stays stable
+    assert unstable_heads_by_score(rows([NAN] * 3, [0.3, 0.1, 0.2, 0.4]), [[0, 2], [3]], QUARTER) == [[0, 2], [1]]
+    assert unstable_heads_by_score(rows([NAN] * 2, [NAN] * 2), [[1], []], QUARTER) == [[1], []]
+    assert unstable_heads_by_score(rows([0.3, NAN, 0.2]), [[1]], QUARTER) == [[2]]  # a head without a score stays stable
 
 
 def test_the_first_chunks_wait_for_the_last_layer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,28 +164,46 @@ def recorded_scores(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     return scores
 
 
+@pytest.mark.parametrize("fraction", [QUARTER, 0.75])
 def test_a_cache_without_a_profile_splits_its_heads_over_every_layer_at_the_first_prompt_chunk(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, fraction: float) -> None:
     config = tiny_config(group=2, num_kv_heads=4, num_layers=4)
     model = tiny_model(config, seed=1)
     ids = random_prompt(300, seed=2).view(1, -1)
-    cache = checked(FlexiCache.from_model(model, token_budget=48, page_size=16))
+    cache = checked(FlexiCache.from_model(model, token_budget=48, page_size=16, unstable_fraction=fraction))
     assert cache.head_split is not None and not any(layer.is_initialized for layer in cache.layers)
     scores = recorded_scores(monkeypatch)
     greedy(model, ids, cache, max_new_tokens=4)
     chosen = [layer.unstable_heads for layer in cache.layers]
     flat = torch.stack(scores).flatten()
     assert bool(torch.isfinite(flat).all())
-    count = max(math.ceil(len(flat) / 4), 2 * 4)  # a quarter of 16, but at least HeadProfile.default's 2 layers x 4
+    count = max(math.ceil(len(flat) * fraction), 2 * 4)  # of 16, at least HeadProfile.default's 2 layers x 4
     lowest = flat.argsort(stable=True)[:count].tolist()  # over all layers
     assert chosen == [[head for head in range(4) if layer * 4 + head in lowest] for layer in range(4)]
-    assert cache.stats()["unstable_heads"] == 8 and cache.head_split.parked == []
+    assert cache.stats()["unstable_heads"] == count and cache.head_split.parked == []
     for layer in cache.layers:
         assert layer.storage.unstable_heads == layer.unstable_heads
     cache.reset()  # a new prompt is estimated again
     assert all(layer.awaits_head_split for layer in cache.layers)
     greedy(model, random_prompt(300, seed=3).view(1, -1), cache, max_new_tokens=4)
-    assert sum(len(layer.unstable_heads) for layer in cache.layers) == 8
+    assert sum(len(layer.unstable_heads) for layer in cache.layers) == count
+
+
+def test_every_head_unstable_keeps_no_host_tier_and_the_invariants() -> None:
+    """``unstable_fraction=1.0``: every head keeps its pages on the device and chooses from all of them at every
+    step. A covering budget decodes as DynamicCache does, and a left-padded batch as each request alone (the split
+    cannot differ between a batch and its requests: it takes every head)."""
+    config = tiny_config(group=2, num_kv_heads=2, num_layers=3)
+    model = tiny_model(config, seed=21)
+    ids, mask = left_pad([random_prompt(150, seed=22), random_prompt(110, seed=23)])
+    assert_same_generation(model, ids, mask, 8, token_budget=256, page_size=8, unstable_fraction=1.0)
+    prompts = [random_prompt(180, seed=24), random_prompt(120, seed=25)]
+    assert_batch_matches_alone(model, prompts, token_budget=32, page_size=8, unstable_fraction=1.0)
+    cache = checked(FlexiCache.from_model(model, token_budget=32, page_size=8, unstable_fraction=1.0))
+    greedy(model, ids, cache, mask, max_new_tokens=20)  # past a stable head's rerank interval
+    stats = cache.stats()
+    assert stats["unstable_heads"] == 6 and stats["host_kv_bytes"] == 0 and stats["promoted_pages"] == 0
+    assert all(layer.storage.unstable_heads == [0, 1] for layer in cache.layers)
 
 
 def test_parked_first_chunks_are_stored_as_a_profile_of_the_same_heads_stores_them() -> None:

@@ -592,8 +592,8 @@ def check_step() -> None:
     recorded forward again and must read exactly the same storage (nothing per-step baked in) without changing any
     host state (a real replay runs no Python). Through left padding, two requests opening pages at the same steps,
     reranks at every phase, promotions, tail retirements, growth while steps replay (4-token pages: checked to
-    happen), a crop, a continued generate and a hand-written decode loop (with standby pages), the tokens must equal
-    the torch reference path's."""
+    happen), a crop, a continued generate, a hand-written decode loop (with standby pages), per-layer page splits and
+    every head unstable, the tokens must equal the torch reference path's."""
     from flexicache import FlexiCache, HeadProfile
     from flexicache.evaluation.generation import greedy_generate
 
@@ -646,12 +646,18 @@ def check_step() -> None:
                                                         max_new_tokens=24, do_sample=False)
                 assert all(layer.storage.row_pages_key for layer in split.layers)
                 assert [bool(layer.storage.row_pages_key) for layer in first_split.layers] == [True, False]
-            tokens[mode] = (first, second, torch.tensor(loop), split_tokens, first_split_tokens)
+                # Every head unstable (the online split's unstable_fraction=1.0): no host tier, no stable rerank.
+                unstable = FlexiCache.from_model(model, token_budget=32, page_size=4, unstable_fraction=1.0)
+                unstable_tokens = model.generate(ids, attention_mask=mask, past_key_values=unstable,
+                                                 max_new_tokens=24, do_sample=False)
+                assert all(layer.storage.unstable_heads == [0, 1] for layer in unstable.layers)
+            tokens[mode] = (first, second, torch.tensor(loop), split_tokens, first_split_tokens, unstable_tokens)
             stats[mode] = flexi.stats()
             stats[mode]["grew"], stats[mode]["finished"] = grew, finished
             stats[mode]["loop_replays"] = alone.stats()["step_graph_replays"]
             stats[mode]["split_replays"] = min(split.stats()["step_graph_replays"],
-                                               first_split.stats()["step_graph_replays"])
+                                               first_split.stats()["step_graph_replays"],
+                                               unstable.stats()["step_graph_replays"])
     graphed = stats["step graphs"]
     assert not problems, problems[:1]
     assert graphed["grew"], "no buffer grew while steps replayed: growth and re-recording went untested"

@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache
 
 from flexicache import attention, forward_guard, handoff
 from flexicache.backends import DecodeBackend, require_flashinfer_support
-from flexicache.config import FlexiCacheConfig, integer_argument
+from flexicache.config import DEFAULT_UNSTABLE_FRACTION, FlexiCacheConfig, integer_argument
 from flexicache.decode_graph import StepInputs
 from flexicache.head_split import OnlineHeadSplit
 from flexicache.host_pool import host_pool
@@ -61,19 +61,21 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
     Args:
         config: the model's config (shape, layer types).
         profile: a :class:`HeadProfile`, a path to one, a shipped profile's name or a hub repository id (as
-            :meth:`HeadProfile.from_pretrained` takes); ``None`` (or ``"online"``): the unstable heads (a quarter of
-            all) estimated from the prompt at the first prefill (:mod:`flexicache.head_split`); ``"default"``:
+            :meth:`HeadProfile.from_pretrained` takes); ``None`` (or ``"online"``): the unstable heads
+            (``unstable_fraction`` of all) estimated from the prompt at the first prefill
+            (:mod:`flexicache.head_split`); ``"default"``:
             :meth:`HeadProfile.default`.
         token_budget, page_size, rerank_interval, rerank_warmup, max_promotions, standby_pages, group_reduce,
-            spread_weight, principal_bounds, exact_rescore, exact_candidates, head_budgets, backend, cuda_graphs,
-            max_cache_len, host_dtype: see :class:`FlexiCacheConfig`.
+            spread_weight, principal_bounds, exact_rescore, exact_candidates, head_budgets, unstable_fraction, backend,
+            cuda_graphs, max_cache_len, host_dtype: see :class:`FlexiCacheConfig`.
     """
 
     def __init__(self, config: Any, profile: HeadProfile | str | os.PathLike | None = None, token_budget: int = 2048,
                  page_size: int = 8, rerank_interval: int = 16, rerank_warmup: int = 0,
                  max_promotions: int | None = None, standby_pages: int | str = "auto", group_reduce: str = "max",
                  spread_weight: float = 0.5, principal_bounds: bool = True, exact_rescore: bool = True,
-                 exact_candidates: int = 3, head_budgets: str = "prompt", backend: str = "auto",
+                 exact_candidates: int = 3, head_budgets: str = "prompt",
+                 unstable_fraction: float = DEFAULT_UNSTABLE_FRACTION, backend: str = "auto",
                  cuda_graphs: bool = True, max_cache_len: int | None = None, host_dtype: str = "auto") -> None:
         self.settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size,
                                          rerank_interval=rerank_interval, rerank_warmup=rerank_warmup,
@@ -81,8 +83,8 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
                                          group_reduce=group_reduce, spread_weight=spread_weight,
                                          principal_bounds=principal_bounds, exact_rescore=exact_rescore,
                                          exact_candidates=exact_candidates, head_budgets=head_budgets,
-                                         backend=backend, cuda_graphs=cuda_graphs, max_cache_len=max_cache_len,
-                                         host_dtype=host_dtype)
+                                         unstable_fraction=unstable_fraction, backend=backend,
+                                         cuda_graphs=cuda_graphs, max_cache_len=max_cache_len, host_dtype=host_dtype)
         check_supported_model(config)
         if backend == "flashinfer":
             from flexicache.backends.flashinfer import flashinfer_available
@@ -92,6 +94,10 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
                                   "or use backend='auto'.")
             require_flashinfer_support(None, model_shape(config)[2])  # the KV dtype is known at the first forward
         online = is_online_profile(profile)
+        if not online and self.settings.unstable_fraction != DEFAULT_UNSTABLE_FRACTION:
+            raise ValueError(f"unstable_fraction={unstable_fraction!r} sets the share of the online head split "
+                             "(profile=None); a profile lists its own unstable heads. Pass profile=None, or profile "
+                             "the model with `flexicache profile --fraction` for a profile of that share.")
         self.profile = resolve_profile(None if online else profile, config)  # with online: where a prompt cannot tell
         kinds = layer_kinds(config)
         self.head_split = OnlineHeadSplit(sum(kind.sparse for kind in kinds)) if online else None

@@ -16,6 +16,7 @@ STANDBY_NAMES: tuple[str, ...] = get_args(StandbyName)  # standby_pages spelled 
 PROMPT_TAIL_QUERIES = 64  # prompt-tail queries the online head split and the prompt's page split read
 MAX_EXACT_CANDIDATES = 8  # an unstable head's exact-rescoring candidates, in multiples of K
 MAX_WORKING_SET_SLOTS = 4096  # K + C: device slots per stable head (the fused rerank holds them in registers)
+DEFAULT_UNSTABLE_FRACTION = 0.25  # the online head split's unstable share, as the offline profiler's default
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,13 @@ class FlexiCacheConfig:
             FlashInfer plan (8 MiB of workspace on the device and as much page-locked; 1.01-1.04x the decode
             step, H100, BENCHMARKS.md). A layer with one KV head keeps ``K``.
             ``"uniform"``: ``K`` for every head (the paper's).
+        unstable_fraction: the share of the paged KV heads that the online head split (``profile=None``,
+            :mod:`flexicache.head_split`) makes unstable, in ``(0, 1]``, never fewer than :meth:`HeadProfile.default`
+            makes unstable. ``0.25`` (the default, the paper's); more trades device memory for accuracy: an unstable
+            head keeps its whole KV on the device (the stable heads' sits in the host tier) and chooses its pages from
+            all of them at every step, so less of the answer rests on stale selections (SmolLM2 perplexity at 1/8 on
+            one pair of files: 1.023 of dense at 0.25, 1.013 at 0.5, 1.007 at 1.0; eval/RESULTS.md). A cache with a
+            fixed profile takes the profile's heads (``flexicache profile --fraction`` sets its share).
         backend: decode kernel: ``"auto"`` (FlashInfer on CUDA when installed, else the torch reference),
             ``"reference"`` or ``"flashinfer"``.
         cuda_graphs: on the CUDA + FlashInfer path, capture each layer's decode step (token append, scoring,
@@ -103,6 +111,7 @@ class FlexiCacheConfig:
     exact_rescore: bool = True
     exact_candidates: int = 3
     head_budgets: HeadBudgetsName = "prompt"
+    unstable_fraction: float = DEFAULT_UNSTABLE_FRACTION
     backend: BackendName = "auto"
     cuda_graphs: bool = True
     max_cache_len: int | None = None
@@ -161,6 +170,11 @@ class FlexiCacheConfig:
         if not isinstance(self.head_budgets, str) or self.head_budgets not in get_args(HeadBudgetsName):
             raise ValueError(f"head_budgets must be 'uniform' (K pages per head) or 'prompt' (split across each "
                              f"layer's heads at the prompt), got {self.head_budgets!r}.")
+        if (isinstance(self.unstable_fraction, bool) or not isinstance(self.unstable_fraction, (int, float))
+                or not 0.0 < self.unstable_fraction <= 1.0):
+            raise ValueError(f"unstable_fraction must be a number in (0, 1] (the share of heads the online split makes "
+                             f"unstable; 0.25 by default), got {self.unstable_fraction!r}.")
+        object.__setattr__(self, "unstable_fraction", float(self.unstable_fraction))
         if not isinstance(self.backend, str) or self.backend not in get_args(BackendName):
             raise ValueError(f"backend must be 'auto', 'reference' or 'flashinfer', got {self.backend!r}.")
         if not isinstance(self.cuda_graphs, bool):

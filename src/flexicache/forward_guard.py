@@ -135,8 +135,10 @@ def planned_stable_heads(layers: Sequence[PagedLayer]) -> list[float]:
     :func:`~flexicache.head_split.unstable_count` of all waiting heads unstable: it counts its share of the rest."""
     waiting = [layer for layer in layers if layer.awaits_head_split]
     heads = sum(len(layer.stable_heads) for layer in waiting)
-    unstable = unstable_count(heads, sum(len(layer.profile_unstable) for layer in waiting))
-    kept = 1 - unstable / heads if heads else 1.0
+    kept = 1.0
+    if heads:
+        fraction = waiting[0].settings.unstable_fraction
+        kept = 1 - unstable_count(heads, sum(len(layer.profile_unstable) for layer in waiting), fraction) / heads
     return [len(layer.stable_heads) * (kept if layer.awaits_head_split else 1.0) for layer in layers]
 
 

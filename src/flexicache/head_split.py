@@ -5,8 +5,8 @@ A cache without a measured :class:`~flexicache.profile.HeadProfile` decides its 
 forward. In each sparse layer the last :data:`WINDOW` prompt positions are treated as decode steps, and the stability
 of each head's top-K page sets between neighbouring positions (:func:`flexicache.profiling.online.prompt_stability`,
 the offline profiler's measure, with the pages scored by the cache's ``spread_weight`` in the model's axes) scores the
-heads. The heads of lowest score, :data:`UNSTABLE_FRACTION` of the scored heads wherever they are in the model (as
-the offline profiler ranks them) but never fewer than :meth:`HeadProfile.default` makes unstable, become unstable (a
+heads. The heads of lowest score, the cache's ``unstable_fraction`` of the scored heads (a quarter by default) wherever
+they are in the model (as the offline profiler ranks them) but never fewer than :meth:`HeadProfile.default` makes unstable, become unstable (a
 model with few paged heads, such as Gemma 3's one global layer in six with one KV head, keeps as many resident as
 the default profile does: one of Gemma-3-270M's three was 1.064 of dense perplexity at 1/8, two 1.011).
 
@@ -40,7 +40,6 @@ from flexicache.handoff import StagedChunk
 from flexicache.profiling.online import prompt_stability
 
 WINDOW = PROMPT_TAIL_QUERIES  # prompt-tail query positions the estimate reads (those the page split reads)
-UNSTABLE_FRACTION = 0.25  # of the heads with a score, as the offline profiler's default
 MAX_DISTANCE = 16  # step distances the stability is averaged over (the rerank interval's default)
 
 
@@ -115,15 +114,17 @@ class OnlineHeadSplit:
         if len(self.parked) < self.num_layers:
             return []
         return unstable_heads_by_score([entry.scores.cpu() for entry in self.parked],
-                                       [entry.fallback for entry in self.parked])
+                                       [entry.fallback for entry in self.parked], settings.unstable_fraction)
 
 
-def unstable_heads_by_score(scores: Sequence[torch.Tensor], fallbacks: Sequence[list[int]]) -> list[list[int]]:
+def unstable_heads_by_score(scores: Sequence[torch.Tensor], fallbacks: Sequence[list[int]],
+                            fraction: float) -> list[list[int]]:
     """Each layer's unstable heads: the lowest scores over all layers' heads (:func:`unstable_count` of them).
 
     Args:
         scores: per layer ``[H]`` head scores (``nan``: cannot tell; such a head stays stable).
         fallbacks: per layer, the heads to make unstable when none of the layer's heads has a score.
+        fraction: the share of the scored heads to make unstable (the cache's ``unstable_fraction``).
 
     Returns:
         Per layer, ascending head indices: :func:`unstable_count` of the scored heads, where the fallbacks of the
@@ -132,7 +133,7 @@ def unstable_heads_by_score(scores: Sequence[torch.Tensor], fallbacks: Sequence[
     finite = [(float(score), layer, head) for layer, row in enumerate(scores)
               for head, score in enumerate(row.tolist()) if math.isfinite(score)]
     scored = {layer for _, layer, _ in finite}
-    chosen = sorted(finite)[:unstable_count(len(finite), sum(len(fallbacks[layer]) for layer in scored))]
+    chosen = sorted(finite)[:unstable_count(len(finite), sum(len(fallbacks[layer]) for layer in scored), fraction)]
     unstable: list[list[int]] = [[] for _ in scores]
     for _, layer, head in chosen:
         unstable[layer].append(head)
@@ -140,10 +141,11 @@ def unstable_heads_by_score(scores: Sequence[torch.Tensor], fallbacks: Sequence[
             for heads, row, fallback in zip(unstable, scores, fallbacks, strict=True)]
 
 
-def unstable_count(num_scored: int, default_count: int) -> int:
-    """How many of ``num_scored`` heads the split makes unstable: :data:`UNSTABLE_FRACTION` of them, at least one,
+def unstable_count(num_scored: int, default_count: int, fraction: float) -> int:
+    """How many of ``num_scored`` heads the split makes unstable: ``fraction`` of them (rounded up), at least one,
     and at least ``default_count`` (what :meth:`HeadProfile.default` makes unstable among their layers)."""
-    return min(num_scored, max(1, math.ceil(UNSTABLE_FRACTION * num_scored), default_count)) if num_scored else 0
+    share = math.ceil(round(fraction * num_scored, 9))  # 0.3 x 10 is 3, not 4
+    return min(num_scored, max(1, share, default_count)) if num_scored else 0
 
 
 def _owning(tensor: torch.Tensor) -> torch.Tensor:
