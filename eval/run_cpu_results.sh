@@ -515,6 +515,18 @@ PY
                 budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,unstable_fraction=1.0 \
                 budget=96,exact_rescore=true,standby_pages=12,head_budgets=prompt,exact_candidates=3,unstable_fraction=0.5 \
                 --out "$root/levers/ppl-1.5k-replicate-unstable-fraction"
+            echo "+ levers: the stable heads' reranks every 8 and 4 steps, and every step for the first 64, the defaults"
+            python -m flexicache.cli eval --device cpu --no-progress --model smollm2 --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --profile online \
+                --page-size 8 --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_interval=8 \
+                budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_interval=4 \
+                budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_warmup=64 \
+                --out "$root/levers/ppl-1.5k-rerank-interval-online"
+            python -m flexicache.cli eval --device cpu --no-progress --model smollm2 --suite ppl \
+                --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --profile online \
+                --page-size 8 --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_interval=8 \
+                budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_interval=4 \
+                --out "$root/levers/ppl-1.5k-replicate-rerank-interval-online"
             eval_cpu_exact --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
                 --context-length 1536 --prefill 1024 --profile online \
                 --method budget=192,exact_rescore=true,standby_pages=24,exact_candidates=3 \
