@@ -24,6 +24,7 @@ from conftest import (
 
 from flexicache import FlexiCache, HeadProfile, head_split
 from flexicache.config import DEFAULT_UNSTABLE_FRACTION, FlexiCacheConfig
+from flexicache.forward_guard import planned_stable_heads
 from flexicache.handoff import StagedChunk
 from flexicache.head_split import OnlineHeadSplit, unstable_heads_by_score
 
@@ -304,3 +305,12 @@ def test_the_window_is_the_shared_prefills_too() -> None:
     from flexicache.evaluation.shared_prefill import TailQueryRecorder
 
     assert TailQueryRecorder().prefill_tail == head_split.WINDOW
+
+
+@pytest.mark.parametrize(("fraction", "kept"), [(QUARTER, 0.5), (0.75, 0.25), (1.0, 0.0)])
+def test_the_host_tiers_are_planned_for_the_heads_the_split_will_keep_stable(fraction: float, kept: float) -> None:
+    """Before the split, the host memory check counts each waiting layer's share of the heads the split will keep
+    stable: 16 heads, never fewer unstable than HeadProfile.default's 8, else ``fraction`` of them."""
+    cache = FlexiCache(tiny_config(group=2, num_kv_heads=4, num_layers=4), token_budget=32, unstable_fraction=fraction)
+    assert all(layer.awaits_head_split for layer in cache.layers)
+    assert planned_stable_heads(cache.layers) == [4 * kept] * 4
