@@ -79,7 +79,8 @@ def test_ties_go_to_the_earlier_layer_and_head() -> None:
 def test_a_layer_too_short_to_tell_keeps_its_fallback_and_does_not_count() -> None:
     assert unstable_heads_by_score(rows([NAN] * 3, [0.3, 0.1, 0.2, 0.4]), [[0, 2], [3]], QUARTER) == [[0, 2], [1]]
     assert unstable_heads_by_score(rows([NAN] * 2, [NAN] * 2), [[1], []], QUARTER) == [[1], []]
-    assert unstable_heads_by_score(rows([0.3, NAN, 0.2]), [[1]], QUARTER) == [[2]]  # a head without a score stays stable
+    # a head without a score stays stable
+    assert unstable_heads_by_score(rows([0.3, NAN, 0.2]), [[1]], QUARTER) == [[2]]
 
 
 def test_the_first_chunks_wait_for_the_last_layer(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -63,8 +63,7 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         profile: a :class:`HeadProfile`, a path to one, a shipped profile's name or a hub repository id (as
             :meth:`HeadProfile.from_pretrained` takes); ``None`` (or ``"online"``): the unstable heads
             (``unstable_fraction`` of all) estimated from the prompt at the first prefill
-            (:mod:`flexicache.head_split`); ``"default"``:
-            :meth:`HeadProfile.default`.
+            (:mod:`flexicache.head_split`); ``"default"``: :meth:`HeadProfile.default`.
         token_budget, page_size, rerank_interval, rerank_warmup, max_promotions, standby_pages, group_reduce,
             spread_weight, principal_bounds, exact_rescore, exact_candidates, head_budgets, unstable_fraction, backend,
             cuda_graphs, max_cache_len, host_dtype: see :class:`FlexiCacheConfig`.

@@ -5,10 +5,11 @@ A cache without a measured :class:`~flexicache.profile.HeadProfile` decides its 
 forward. In each sparse layer the last :data:`WINDOW` prompt positions are treated as decode steps, and the stability
 of each head's top-K page sets between neighbouring positions (:func:`flexicache.profiling.online.prompt_stability`,
 the offline profiler's measure, with the pages scored by the cache's ``spread_weight`` in the model's axes) scores the
-heads. The heads of lowest score, the cache's ``unstable_fraction`` of the scored heads (a quarter by default) wherever
-they are in the model (as the offline profiler ranks them) but never fewer than :meth:`HeadProfile.default` makes unstable, become unstable (a
-model with few paged heads, such as Gemma 3's one global layer in six with one KV head, keeps as many resident as
-the default profile does: one of Gemma-3-270M's three was 1.064 of dense perplexity at 1/8, two 1.011).
+heads. The heads of lowest score, the cache's ``unstable_fraction`` of the scored heads (a quarter by default)
+wherever they are in the model (as the offline profiler ranks them) but never fewer than :meth:`HeadProfile.default`
+makes unstable, become unstable (a model with few paged heads, such as Gemma 3's one global layer in six with one KV
+head, keeps as many resident as the default profile does: one of Gemma-3-270M's three was 1.064 of dense perplexity
+at 1/8, two 1.011).
 
 That choice needs every layer's scores, and a layer's storage needs its split. So each layer *parks* its first chunk
 (:class:`OnlineHeadSplit`: its keys and values, its last query) when it has scored its heads, and the last sparse
