@@ -75,11 +75,12 @@ class FlexiCacheConfig:
             ``"uniform"``: ``K`` for every head (the paper's).
         unstable_fraction: the share of the paged KV heads that the online head split (``profile=None``,
             :mod:`flexicache.head_split`) makes unstable, in ``(0, 1]``, never fewer than :meth:`HeadProfile.default`
-            makes unstable. ``0.25`` (the default, the paper's); more trades device memory for accuracy: an unstable
-            head keeps its whole KV on the device (the stable heads' sits in the host tier) and chooses its pages from
-            all of them at every step, so less of the answer rests on stale selections (SmolLM2 perplexity at 1/8 on
-            one pair of files: 1.023 of dense at 0.25, 1.013 at 0.5, 1.007 at 1.0; eval/RESULTS.md). A cache with a
-            fixed profile takes the profile's heads (``flexicache profile --fraction`` sets its share).
+            makes unstable. ``0.25`` (the default, the paper's). An unstable head keeps its whole KV on the device
+            (a stable head's sits in the host tier) and chooses its pages from all of them at every step, so less rests
+            on selections gone stale; measured, more of them moves which text loses rather than how much (perplexity
+            at 1/8 at 0.5 against 0.25: SmolLM2 1.013 and 1.019 of dense against 1.023 and 1.018, Qwen2.5-Coder 1.027
+            and 1.003 against 1.015 and 1.010; eval/RESULTS.md). A cache with a fixed profile takes the profile's
+            heads (``flexicache profile --fraction`` sets its share).
         backend: decode kernel: ``"auto"`` (FlashInfer on CUDA when installed, else the torch reference),
             ``"reference"`` or ``"flashinfer"``.
         cuda_graphs: on the CUDA + FlashInfer path, capture each layer's decode step (token append, scoring,
