@@ -219,6 +219,12 @@ for model in ${models[@]}; do
                 --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,unstable_fraction=0.5 \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-replicate-unstable-fraction"
+            # the stable heads reranked every 8 steps, the defaults otherwise
+            python -m flexicache.cli eval --device cpu --no-progress --model qwen2.5-coder --suite ppl --page-size 8 \
+                --profile online \
+                --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,rerank_interval=8 \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/qwen2.5-coder-ppl-2k-rerank-interval-online"
             eval_cpu --model qwen2.5-coder --suite lcc --page-size 8 --profile online \
                 --method budget=320,exact_rescore=true,standby_pages=40,head_budgets=prompt,exact_candidates=3 \
                 budget=160,exact_rescore=true,standby_pages=20,head_budgets=prompt,exact_candidates=3 \
