@@ -16,7 +16,7 @@ STANDBY_NAMES: tuple[str, ...] = get_args(StandbyName)  # standby_pages spelled 
 PROMPT_TAIL_QUERIES = 64  # prompt-tail queries the online head split and the prompt's page split read
 MAX_EXACT_CANDIDATES = 8  # an unstable head's exact-rescoring candidates, in multiples of K
 MAX_WORKING_SET_SLOTS = 4096  # K + C: device slots per stable head (the fused rerank holds them in registers)
-DEFAULT_UNSTABLE_FRACTION = 0.25  # the online head split's unstable share, as the offline profiler's default
+DEFAULT_UNSTABLE_FRACTION = 0.25  # share of heads unstable: the online split's, the profiler's, the benchmarks'
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from transformers.cache_utils import DynamicLayer
 
 from flexicache import FlexiCache, HeadProfile, attention, handoff
 from flexicache.benchmarks.measure import synchronize
+from flexicache.config import DEFAULT_UNSTABLE_FRACTION
 from flexicache.step_graph import run_graphed_step
 
 
@@ -78,7 +79,8 @@ def random_profile(shape: Shape, fraction: float, seed: int = 0) -> HeadProfile:
     return HeadProfile(shape.num_layers, shape.num_kv_heads, shape.head_dim, unstable)
 
 
-def prefilled_cache(shape: Shape, batch: int, context: int, budget: int = 1024, unstable_fraction: float = 0.25,
+def prefilled_cache(shape: Shape, batch: int, context: int, budget: int = 1024,
+                    unstable_fraction: float = DEFAULT_UNSTABLE_FRACTION,
                     **settings: Any) -> tuple[FlexiCache, torch.Tensor]:
     """A FlexiCache over ``shape``'s attention layers (random profile; ``settings``: further FlexiCache keyword
     arguments) holding ``context`` random bf16 tokens x ``batch`` on CUDA, prefilled layer by layer (one layer's KV
@@ -285,7 +287,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--unstable-fraction", type=float, default=0.25)
+    parser.add_argument("--unstable-fraction", type=float, default=DEFAULT_UNSTABLE_FRACTION)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--out", default=None)

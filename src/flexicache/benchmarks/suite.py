@@ -25,7 +25,7 @@ import torch
 from transformers import Cache, DynamicCache, LlamaConfig, MistralConfig, PretrainedConfig, StaticCache
 
 from flexicache import FlexiCache, HeadProfile, attention, disable_step_graphs, handoff
-from flexicache.config import STANDBY_NAMES, FlexiCacheConfig
+from flexicache.config import DEFAULT_UNSTABLE_FRACTION, STANDBY_NAMES, FlexiCacheConfig
 from flexicache.benchmarks.attention import Shape, random_profile
 from flexicache.setting_specs import parse_settings
 
@@ -171,7 +171,7 @@ class Settings:
     exact_rescore: bool = FlexiCacheConfig.exact_rescore
     exact_candidates: int = FlexiCacheConfig.exact_candidates
     head_budgets: str = FlexiCacheConfig.head_budgets
-    unstable_fraction: float = 0.25
+    unstable_fraction: float = DEFAULT_UNSTABLE_FRACTION
     seed: int = 0
     cases: list[str] = field(default_factory=lambda: list(CASES))
     time_budget: float = 0.0  # seconds, 0 = unlimited

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from flexicache.cli import DTYPE_HELP, DTYPES, resolve_device, resolve_dtype
+from flexicache.config import DEFAULT_UNSTABLE_FRACTION
 from flexicache.models import SMOLLM2, SMOLLM2_GGUF, load_model
 from flexicache.profiling.data import SYNTHETIC_TASKS, describe, load_samples
 from flexicache.profiling.measure import MeasureSettings
@@ -41,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--steps", type=int, default=256, help="decode steps per sample")
     add("--budget", type=int, default=256, help="token budget: K = budget // page-size pages per head")
     add("--page-size", type=int, default=16)
-    add("--fraction", type=float, default=0.25, help="share of all heads classified unstable")
+    add("--fraction", type=float, default=DEFAULT_UNSTABLE_FRACTION, help="share of all heads classified unstable")
     add("--quantile", type=float, default=0.25, help="per sample, the bottom share of heads counted unstable")
     add("--max-distance", type=int, default=16, help="largest step distance d of the RCO")
     add("--rerank-interval", type=int, default=16, help="rerank period of stable heads (promoted-fraction report)")

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from flexicache.config import DEFAULT_UNSTABLE_FRACTION
 from flexicache.profile import HeadProfile
 from flexicache.profiling.pages import page_bounds
 from flexicache.profiling.stability import lowest_count, rco_by_distance
@@ -80,7 +81,7 @@ def estimate_unstable_heads_from_prompt(
     keys: Sequence[torch.Tensor],
     token_budget: int,
     page_size: int = 16,
-    fraction: float = 0.25,
+    fraction: float = DEFAULT_UNSTABLE_FRACTION,
     max_distance: int = 16,
     group_reduce: GroupReduce = "max",
 ) -> PromptEstimate:

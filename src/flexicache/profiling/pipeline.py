@@ -13,6 +13,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
+from flexicache.config import DEFAULT_UNSTABLE_FRACTION
 from flexicache.hybrid import sparse_layers
 from flexicache.profile import HeadProfile, model_shape
 from flexicache.profiling.data import CalibrationSample, EncodedSample, encode_sample
@@ -30,7 +31,7 @@ from flexicache.profiling.stability import classify_heads, rco_by_distance, stab
 
 @dataclass
 class ClassifySettings:
-    fraction: float = 0.25  # share of all heads classified unstable
+    fraction: float = DEFAULT_UNSTABLE_FRACTION  # share of all heads classified unstable
     quantile: float = 0.25  # per sample, the bottom share of heads counted as unstable
     rerank_interval: int = 16  # stable heads' rerank period, for the promoted-fraction report
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from flexicache.config import DEFAULT_UNSTABLE_FRACTION
 from flexicache.profiling.stability import classify_heads, lowest_count, overlap_counts
 
 
@@ -21,8 +22,8 @@ def set_overlap(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> f
 
 
 def cross_task_agreement(
-    sample_scores: torch.Tensor, tasks: Sequence[str], fraction: float = 0.25, quantile: float = 0.25,
-    reference: Sequence[tuple[int, int]] | None = None,
+    sample_scores: torch.Tensor, tasks: Sequence[str], fraction: float = DEFAULT_UNSTABLE_FRACTION,
+    quantile: float = 0.25, reference: Sequence[tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
     """Pairwise intersection ratio of the unstable sets classified from each task's samples alone.
 

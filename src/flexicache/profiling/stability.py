@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flexicache.config import DEFAULT_UNSTABLE_FRACTION
 
 PAIR_CHUNK_ENTRIES = 2**24  # page entries :func:`rco_by_distance` looks up at once (bounds its transient memory)
 
@@ -149,7 +150,8 @@ class Classification:
         return mask
 
 
-def classify_heads(sample_scores: torch.Tensor, fraction: float = 0.25, quantile: float = 0.25) -> Classification:
+def classify_heads(sample_scores: torch.Tensor, fraction: float = DEFAULT_UNSTABLE_FRACTION, quantile: float = 0.25
+                   ) -> Classification:
     """The ``fraction`` of heads most often in a sample's bottom ``quantile``; ties go to the lower mean score.
 
     Args:
