@@ -219,6 +219,11 @@ for model in ${models[@]}; do
                 --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,unstable_fraction=0.5 \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-replicate-unstable-fraction"
+            # every head unstable (unstable_fraction=1.0), the first pair
+            eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 --profile online \
+                --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,unstable_fraction=1.0 \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/qwen2.5-coder-ppl-2k-every-head-unstable"
             # the stable heads reranked every 8 steps, the defaults otherwise
             python -m flexicache.cli eval --device cpu --no-progress --model qwen2.5-coder --suite ppl --page-size 8 \
                 --profile online \
