@@ -328,6 +328,21 @@ PY
                 budget=128,exact_rescore=true,standby_pages=16,head_budgets=prompt,exact_candidates=3 \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/gemma3-ppl-2k-candidates-online"
+            eval_cpu --model gemma3 --suite ppl --page-size 8 --profile online \
+                --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3 \
+                budget=128,exact_rescore=true,standby_pages=16,head_budgets=prompt,exact_candidates=3 \
+                --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/gemma3-ppl-2k-replicate-candidates-online"
+            # every paged head unstable (unstable_fraction=1.0), and on the second pair the 8-token oracle pages
+            eval_cpu --model gemma3 --suite ppl --page-size 8 --profile online \
+                --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,unstable_fraction=1.0 \
+                budget=128,exact_rescore=true,standby_pages=16,head_budgets=prompt,exact_candidates=3,unstable_fraction=1.0 \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/gemma3-ppl-2k-every-head-unstable"
+            eval_cpu --model gemma3 --suite ppl --page-size 8 --profile online --budget 256 128 --oracle \
+                --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,unstable_fraction=1.0 \
+                --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/gemma3-ppl-2k-replicate-oracle"
             gemma3_exact_8k passkey "$root/levers/gemma3-synthetic-8k-passkey-candidates-online" \
                 budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 --profile online
             gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-candidates-online" \
