@@ -185,6 +185,11 @@ for model in ${models[@]}; do
                 --method budget=2048,exact_rescore=true,standby_pages=256,head_budgets=prompt,exact_candidates=3 \
                 --out "$root/levers/qwen2.5-coder-synthetic-16k-passkey-candidates-online"
             eval_cpu --model qwen2.5-coder --suite synthetic \
+                --tasks niah_single_1 --lengths 16384 --limit 20 --max-new-tokens 24 --context-length 16384 --page-size 8 \
+                --profile online \
+                --method budget=2048,exact_rescore=true,standby_pages=256,head_budgets=prompt,exact_candidates=3 \
+                --out "$root/levers/qwen2.5-coder-synthetic-16k-niah-candidates-online"
+            eval_cpu --model qwen2.5-coder --suite synthetic \
                 --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --method budget=512,exact_rescore=true \
                 --out "$root/levers/qwen2.5-coder-synthetic-8k-16-exact"
