@@ -348,6 +348,10 @@ PY
                 --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,unstable_fraction=1.0 \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/gemma3-ppl-2k-replicate-oracle"
+            eval_cpu --model gemma3 --suite ppl --page-size 8 --profile online \
+                --method budget=128,exact_rescore=true,standby_pages=16,head_budgets=prompt,exact_candidates=3,unstable_fraction=1.0 \
+                --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/gemma3-ppl-2k-replicate-every-head-unstable-16"
             gemma3_exact_8k passkey "$root/levers/gemma3-synthetic-8k-passkey-candidates-online" \
                 budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 --profile online
             gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-candidates-online" \
