@@ -9,8 +9,8 @@ heads. The heads of lowest score, the cache's ``unstable_fraction`` of the score
 wherever they are in the model (as the offline profiler ranks them) but never fewer than :meth:`HeadProfile.default`
 makes unstable, become unstable (a model with few paged heads, such as Gemma 3's one global layer in six with one KV
 head, keeps as many resident as the default profile does: one of Gemma-3-270M's three was 1.064 of dense perplexity
-at 1/8, two 1.011; all three, ``unstable_fraction=1.0``, 1.005 and 1.002 on two pairs of files where two gave 1.008
-and 1.043).
+at 1/8, two 1.011, with older settings; with the current defaults two give 1.008 and 1.043 on two pairs of files,
+all three (``unstable_fraction=1.0``) 1.005 and 1.002).
 
 That choice needs every layer's scores, and a layer's storage needs its split. So each layer *parks* its first chunk
 (:class:`OnlineHeadSplit`: its keys and values, its last query) when it has scored its heads, and the last sparse
