@@ -55,6 +55,13 @@ gemma3_exact_8k() {
     eval_cpu --model gemma3 --suite synthetic --tasks "$task" --lengths 8192 --limit 20 --max-new-tokens 24 \
         --context-length 8192 --page-size 8 --method "$method" "$@" --out "$out"
 }
+# Qwen2.5-Coder, one synthetic task at one length, 20 samples, 8-token pages, no profile
+qwen_synthetic_online() {
+    local task=$1 length=$2 out=$3 method=$4; shift 4
+    eval_cpu --model qwen2.5-coder --suite synthetic --tasks "$task" --lengths "$length" --limit 20 \
+        --max-new-tokens 24 --context-length "$length" --page-size 8 --profile online --method "$method" "$@" \
+        --out "$out"
+}
 
 for model in ${models[@]}; do
     case $model in
@@ -128,67 +135,43 @@ for model in ${models[@]}; do
                 --method budget=320,exact_rescore=true,standby_pages=40 budget=160,exact_rescore=true,standby_pages=20 \
                 --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24 \
                 --out "$root/levers/qwen2.5-coder-lcc-3k-exact-standby-online"
-            eval_cpu --model qwen2.5-coder --suite synthetic \
-                --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
-                --page-size 8 --profile online --budget 1024 --method budget=1024,exact_rescore=true \
-                --out "$root/levers/qwen2.5-coder-synthetic-8k-passkey-exact-online"
-            eval_cpu --model qwen2.5-coder --suite synthetic \
-                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
-                --page-size 8 --profile online --budget 1024 --method budget=1024,exact_rescore=true \
-                --out "$root/levers/qwen2.5-coder-synthetic-8k-niah-exact-online"
+            qwen_synthetic_online passkey 8192 "$root/levers/qwen2.5-coder-synthetic-8k-passkey-exact-online" \
+                budget=1024,exact_rescore=true --budget 1024
+            qwen_synthetic_online niah_single_1 8192 "$root/levers/qwen2.5-coder-synthetic-8k-niah-exact-online" \
+                budget=1024,exact_rescore=true --budget 1024
             # the same with K standby pages (the defaults)
-            eval_cpu --model qwen2.5-coder --suite synthetic \
-                --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
-                --page-size 8 --profile online --method budget=1024,exact_rescore=true,standby_pages=128 \
-                --out "$root/levers/qwen2.5-coder-synthetic-8k-passkey-exact-standby-online"
-            eval_cpu --model qwen2.5-coder --suite synthetic \
-                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
-                --page-size 8 --profile online --method budget=1024,exact_rescore=true,standby_pages=128 \
-                --out "$root/levers/qwen2.5-coder-synthetic-8k-niah-exact-standby-online"
+            qwen_synthetic_online passkey 8192 "$root/levers/qwen2.5-coder-synthetic-8k-passkey-exact-standby-online" \
+                budget=1024,exact_rescore=true,standby_pages=128
+            qwen_synthetic_online niah_single_1 8192 \
+                "$root/levers/qwen2.5-coder-synthetic-8k-niah-exact-standby-online" \
+                budget=1024,exact_rescore=true,standby_pages=128
             # the defaults: the prompt's split and 3K candidates
-            eval_cpu --model qwen2.5-coder --suite synthetic \
-                --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
-                --profile online \
-                --method budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 \
-                --out "$root/levers/qwen2.5-coder-synthetic-8k-passkey-candidates-online"
-            eval_cpu --model qwen2.5-coder --suite synthetic \
-                --tasks niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 --page-size 8 \
-                --profile online \
-                --method budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 \
-                --out "$root/levers/qwen2.5-coder-synthetic-8k-niah-candidates-online"
+            qwen_synthetic_online passkey 8192 "$root/levers/qwen2.5-coder-synthetic-8k-passkey-candidates-online" \
+                budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3
+            qwen_synthetic_online niah_single_1 8192 "$root/levers/qwen2.5-coder-synthetic-8k-niah-candidates-online" \
+                budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3
             # the same at 1/16 (budget 512, K = 64 standby pages)
             eval_cpu --model qwen2.5-coder --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --profile online --method budget=512,exact_rescore=true,standby_pages=64 \
                 --out "$root/levers/qwen2.5-coder-synthetic-8k-16-exact-standby-online"
             # the same at 16k, budget 2048
-            eval_cpu --model qwen2.5-coder --suite synthetic \
-                --tasks passkey --lengths 16384 --limit 20 --max-new-tokens 24 --context-length 16384 \
-                --page-size 8 --profile online --method budget=2048,exact_rescore=true \
-                --out "$root/levers/qwen2.5-coder-synthetic-16k-passkey-exact-online"
-            eval_cpu --model qwen2.5-coder --suite synthetic \
-                --tasks niah_single_1 --lengths 16384 --limit 20 --max-new-tokens 24 --context-length 16384 \
-                --page-size 8 --profile online --method budget=2048,exact_rescore=true \
-                --out "$root/levers/qwen2.5-coder-synthetic-16k-niah-exact-online"
-            eval_cpu --model qwen2.5-coder --suite synthetic \
-                --tasks passkey --lengths 16384 --limit 20 --max-new-tokens 24 --context-length 16384 \
-                --page-size 8 --profile online --method budget=2048,exact_rescore=true,standby_pages=256 \
-                --out "$root/levers/qwen2.5-coder-synthetic-16k-passkey-exact-standby-online"
-            eval_cpu --model qwen2.5-coder --suite synthetic \
-                --tasks niah_single_1 --lengths 16384 --limit 20 --max-new-tokens 24 --context-length 16384 \
-                --page-size 8 --profile online --method budget=2048,exact_rescore=true,standby_pages=256 \
-                --out "$root/levers/qwen2.5-coder-synthetic-16k-niah-exact-standby-online"
+            qwen_synthetic_online passkey 16384 "$root/levers/qwen2.5-coder-synthetic-16k-passkey-exact-online" \
+                budget=2048,exact_rescore=true
+            qwen_synthetic_online niah_single_1 16384 "$root/levers/qwen2.5-coder-synthetic-16k-niah-exact-online" \
+                budget=2048,exact_rescore=true
+            qwen_synthetic_online passkey 16384 \
+                "$root/levers/qwen2.5-coder-synthetic-16k-passkey-exact-standby-online" \
+                budget=2048,exact_rescore=true,standby_pages=256
+            qwen_synthetic_online niah_single_1 16384 \
+                "$root/levers/qwen2.5-coder-synthetic-16k-niah-exact-standby-online" \
+                budget=2048,exact_rescore=true,standby_pages=256
             # the defaults at 16k (3K candidates, each layer's pages split across its heads at the prompt)
-            eval_cpu --model qwen2.5-coder --suite synthetic \
-                --tasks passkey --lengths 16384 --limit 20 --max-new-tokens 24 --context-length 16384 --page-size 8 \
-                --profile online \
-                --method budget=2048,exact_rescore=true,standby_pages=256,head_budgets=prompt,exact_candidates=3 \
-                --out "$root/levers/qwen2.5-coder-synthetic-16k-passkey-candidates-online"
-            eval_cpu --model qwen2.5-coder --suite synthetic \
-                --tasks niah_single_1 --lengths 16384 --limit 20 --max-new-tokens 24 --context-length 16384 --page-size 8 \
-                --profile online \
-                --method budget=2048,exact_rescore=true,standby_pages=256,head_budgets=prompt,exact_candidates=3 \
-                --out "$root/levers/qwen2.5-coder-synthetic-16k-niah-candidates-online"
+            qwen_synthetic_online passkey 16384 "$root/levers/qwen2.5-coder-synthetic-16k-passkey-candidates-online" \
+                budget=2048,exact_rescore=true,standby_pages=256,head_budgets=prompt,exact_candidates=3
+            qwen_synthetic_online niah_single_1 16384 \
+                "$root/levers/qwen2.5-coder-synthetic-16k-niah-candidates-online" \
+                budget=2048,exact_rescore=true,standby_pages=256,head_budgets=prompt,exact_candidates=3
             eval_cpu --model qwen2.5-coder --suite synthetic \
                 --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --method budget=512,exact_rescore=true \
