@@ -321,7 +321,8 @@ PY
                 budget=128,exact_rescore=true,standby_pages=16,head_budgets=prompt,exact_candidates=3 \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/gemma3-ppl-2k-replicate-candidates-online"
-            # every paged head unstable (unstable_fraction=1.0), and on the second pair the 8-token oracle pages
+            # every paged head unstable (unstable_fraction=1.0; what the defaults do with fewer than four paged heads),
+            # and on the second pair the 8-token oracle pages
             eval_cpu --model gemma3 --suite ppl --page-size 8 --profile online \
                 --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,unstable_fraction=1.0 \
                 budget=128,exact_rescore=true,standby_pages=16,head_budgets=prompt,exact_candidates=3,unstable_fraction=1.0 \
@@ -342,6 +343,12 @@ PY
             gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-every-head-unstable" \
                 budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3,unstable_fraction=1.0 \
                 --profile online
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-every-head-unstable-seed1" \
+                budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3,unstable_fraction=1.0 \
+                --profile online --seed 1
+            gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-every-head-unstable-seed2" \
+                budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3,unstable_fraction=1.0 \
+                --profile online --seed 2
             gemma3_exact_8k niah_single_1 "$root/levers/gemma3-synthetic-8k-niah-candidates-online-seed1" \
                 budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 --profile online \
                 --seed 1

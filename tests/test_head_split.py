@@ -55,11 +55,22 @@ def test_stability_that_changes_with_depth_puts_every_unstable_head_where_it_is_
 
 
 def test_never_fewer_unstable_heads_than_the_default_profile() -> None:
-    """Three layers of one head (Gemma-3-270M's paged layers): a quarter is one head, the default profile's two
-    (its first two layers) is the floor, and the two lowest scores are chosen wherever they are."""
-    assert unstable_heads_by_score(rows([0.9], [0.1], [0.5]), [[0], [0], []], QUARTER) == [[], [0], [0]]
-    assert head_split.unstable_count(3, 2, QUARTER) == 2 and head_split.unstable_count(48, 4, QUARTER) == 12
-    assert head_split.unstable_count(2, 5, QUARTER) == 2 and head_split.unstable_count(0, 2, QUARTER) == 0
+    """Six layers of one head: a quarter is two heads, the default profile's three (its first three layers) is the
+    floor, and the three lowest scores are chosen wherever they are."""
+    scores = rows([0.9], [0.1], [0.5], [0.7], [0.3], [0.8])
+    assert unstable_heads_by_score(scores, [[0]] * 3 + [[]] * 3, QUARTER) == [[], [0], [0], [], [0], []]
+    assert head_split.unstable_count(6, 3, QUARTER) == 3 and head_split.unstable_count(48, 4, QUARTER) == 12
+    assert head_split.unstable_count(4, 2, QUARTER) == 2 and head_split.unstable_count(5, 9, QUARTER) == 5
+
+
+def test_fewer_than_four_scored_heads_are_all_unstable() -> None:
+    """Gemma-3-270M's three paged heads (one per global layer): none stays stable, whatever the scores and the
+    fraction; a layer too short to tell still keeps its fallback."""
+    assert head_split.MIN_SPLIT_HEADS == 4
+    assert unstable_heads_by_score(rows([0.9], [0.1], [0.5]), [[0], [0], []], QUARTER) == [[0], [0], [0]]
+    assert unstable_heads_by_score(rows([0.9], [0.1], [0.5]), [[], [], []], 0.01) == [[0], [0], [0]]
+    assert unstable_heads_by_score(rows([NAN], [0.1, 0.2]), [[0], []], QUARTER) == [[0], [0, 1]]
+    assert [head_split.unstable_count(count, 2, QUARTER) for count in range(4)] == [0, 1, 2, 3]
 
 
 def test_the_unstable_fraction_sets_the_share_of_the_scored_heads() -> None:
@@ -80,7 +91,7 @@ def test_a_layer_too_short_to_tell_keeps_its_fallback_and_does_not_count() -> No
     assert unstable_heads_by_score(rows([NAN] * 3, [0.3, 0.1, 0.2, 0.4]), [[0, 2], [3]], QUARTER) == [[0, 2], [1]]
     assert unstable_heads_by_score(rows([NAN] * 2, [NAN] * 2), [[1], []], QUARTER) == [[1], []]
     # a head without a score stays stable
-    assert unstable_heads_by_score(rows([0.3, NAN, 0.2]), [[1]], QUARTER) == [[2]]
+    assert unstable_heads_by_score(rows([0.3, NAN, 0.2, 0.5, 0.6]), [[1]], QUARTER) == [[2]]
 
 
 def test_the_first_chunks_wait_for_the_last_layer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -206,6 +217,17 @@ def test_every_head_unstable_keeps_no_host_tier_and_the_invariants() -> None:
     stats = cache.stats()
     assert stats["unstable_heads"] == 6 and stats["host_kv_bytes"] == 0 and stats["promoted_pages"] == 0
     assert all(layer.storage.unstable_heads == [0, 1] for layer in cache.layers)
+
+
+@pytest.mark.parametrize(("num_layers", "unstable"), [(3, 3), (4, 2)])
+def test_a_model_with_fewer_than_four_paged_heads_keeps_none_stable(num_layers: int, unstable: int) -> None:
+    """The default fraction on layers of one KV head: three paged heads (as Gemma-3-270M's) are all unstable, with no
+    host tier; four leave two stable (the default profile's floor of two unstable)."""
+    model = tiny_model(tiny_config(group=2, num_kv_heads=1, num_layers=num_layers), seed=31)
+    cache = checked(FlexiCache.from_model(model, token_budget=32, page_size=8))
+    greedy(model, random_prompt(200, seed=32).view(1, -1), cache, max_new_tokens=4)
+    stats = cache.stats()
+    assert stats["unstable_heads"] == unstable and (stats["host_kv_bytes"] == 0) == (unstable == num_layers)
 
 
 def test_parked_first_chunks_are_stored_as_a_profile_of_the_same_heads_stores_them() -> None:

@@ -7,10 +7,11 @@ of each head's top-K page sets between neighbouring positions (:func:`flexicache
 the offline profiler's measure, with the pages scored by the cache's ``spread_weight`` in the model's axes) scores the
 heads. The heads of lowest score, the cache's ``unstable_fraction`` of the scored heads (a quarter by default)
 wherever they are in the model (as the offline profiler ranks them) but never fewer than :meth:`HeadProfile.default`
-makes unstable, become unstable (a model with few paged heads, such as Gemma 3's one global layer in six with one KV
-head, keeps as many resident as the default profile does: one of Gemma-3-270M's three was 1.064 of dense perplexity
-at 1/8, two 1.011, with older settings; with the current defaults two give 1.008 and 1.043 on two pairs of files,
-all three (``unstable_fraction=1.0``) 1.005 and 1.002).
+makes unstable, become unstable. A model with fewer than :data:`MIN_SPLIT_HEADS` paged heads keeps them all
+unstable: Gemma-3-270M (one global layer in six, one KV head each: three paged heads) with two unstable, the default
+profile's floor, was 1.008 and 1.043 of dense perplexity at 1/8 on two pairs of files (the prompt kept the middle
+global layer's head stable on ``dataclasses.py``, where its working set went stale: 1.085), with all three 1.005 and
+1.002 (eval/RESULTS.md); the one stable head would have saved a third of 3 KiB of bf16 KV per token.
 
 That choice needs every layer's scores, and a layer's storage needs its split. So each layer *parks* its first chunk
 (:class:`OnlineHeadSplit`: its keys and values, its last query) when it has scored its heads, and the last sparse
@@ -40,9 +41,13 @@ import torch
 from flexicache.config import PROMPT_TAIL_QUERIES, FlexiCacheConfig
 from flexicache.handoff import StagedChunk
 from flexicache.profiling.online import prompt_stability
+from flexicache.profiling.stability import lowest_count
 
 WINDOW = PROMPT_TAIL_QUERIES  # prompt-tail query positions the estimate reads (those the page split reads)
 MAX_DISTANCE = 16  # step distances the stability is averaged over (the rerank interval's default)
+# Fewer scored heads than this are all made unstable: a quarter of them is less than one head, the default profile's
+# floor leaves at most one stable, and the prompt's pick among so few was measured wrong (Gemma-3-270M, module doc).
+MIN_SPLIT_HEADS = 4
 
 
 @dataclass
@@ -144,10 +149,13 @@ def unstable_heads_by_score(scores: Sequence[torch.Tensor], fallbacks: Sequence[
 
 
 def unstable_count(num_scored: int, default_count: int, fraction: float) -> int:
-    """How many of ``num_scored`` heads the split makes unstable: ``fraction`` of them (rounded up), at least one,
-    and at least ``default_count`` (what :meth:`HeadProfile.default` makes unstable among their layers)."""
-    share = math.ceil(round(fraction * num_scored, 9))  # 0.3 x 10 is 3, not 4
-    return min(num_scored, max(1, share, default_count)) if num_scored else 0
+    """How many of ``num_scored`` heads the split makes unstable: ``fraction`` of them (rounded as the offline
+    profiler rounds, :func:`~flexicache.profiling.stability.lowest_count`), at least one, and at least
+    ``default_count`` (what :meth:`HeadProfile.default` makes unstable among their layers); all of them when they are
+    fewer than :data:`MIN_SPLIT_HEADS`."""
+    if num_scored < MIN_SPLIT_HEADS:
+        return num_scored
+    return min(num_scored, max(1, lowest_count(num_scored, fraction), default_count))
 
 
 def _owning(tensor: torch.Tensor) -> torch.Tensor:
