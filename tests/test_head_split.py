@@ -27,6 +27,7 @@ from flexicache.config import DEFAULT_UNSTABLE_FRACTION, FlexiCacheConfig
 from flexicache.forward_guard import planned_stable_heads
 from flexicache.handoff import StagedChunk
 from flexicache.head_split import OnlineHeadSplit, unstable_heads_by_score
+from flexicache.profiling.stability import lowest_count
 
 SETTINGS = FlexiCacheConfig(token_budget=32, page_size=16)
 QUARTER = DEFAULT_UNSTABLE_FRACTION
@@ -63,14 +64,20 @@ def test_never_fewer_unstable_heads_than_the_default_profile() -> None:
     assert head_split.unstable_count(4, 2, QUARTER) == 2 and head_split.unstable_count(5, 9, QUARTER) == 5
 
 
-def test_fewer_than_four_scored_heads_are_all_unstable() -> None:
-    """Gemma-3-270M's three paged heads (one per global layer): none stays stable, whatever the scores and the
-    fraction; a layer too short to tell still keeps its fallback."""
-    assert head_split.MIN_SPLIT_HEADS == 4
+def test_fewer_than_four_paged_heads_are_all_unstable() -> None:
+    """Gemma-3-270M's three paged heads (one per global layer): none stays stable, whatever the scores, the fraction
+    and a layer too short to tell; four heads are split (a layer without scores keeps its fallback)."""
+    assert head_split.too_few_to_split(3) and not head_split.too_few_to_split(4)
     assert unstable_heads_by_score(rows([0.9], [0.1], [0.5]), [[0], [0], []], QUARTER) == [[0], [0], [0]]
     assert unstable_heads_by_score(rows([0.9], [0.1], [0.5]), [[], [], []], 0.01) == [[0], [0], [0]]
-    assert unstable_heads_by_score(rows([NAN], [0.1, 0.2]), [[0], []], QUARTER) == [[0], [0, 1]]
-    assert [head_split.unstable_count(count, 2, QUARTER) for count in range(4)] == [0, 1, 2, 3]
+    assert unstable_heads_by_score(rows([NAN], [0.1, 0.2]), [[], []], QUARTER) == [[0], [0, 1]]
+    assert unstable_heads_by_score(rows([NAN, NAN], [0.1, 0.2]), [[], []], QUARTER) == [[], [0]]
+
+
+def test_a_share_rounds_to_a_head_count_as_the_offline_profiler_rounds() -> None:
+    """Halves up, else to the nearest (the profiler's ``lowest_count``): a quarter of 9 heads is 2, of 10 is 3."""
+    assert head_split.unstable_count(9, 1, QUARTER) == lowest_count(9, QUARTER) == 2
+    assert head_split.unstable_count(10, 1, QUARTER) == lowest_count(10, QUARTER) == 3
 
 
 def test_the_unstable_fraction_sets_the_share_of_the_scored_heads() -> None:
@@ -91,7 +98,7 @@ def test_a_layer_too_short_to_tell_keeps_its_fallback_and_does_not_count() -> No
     assert unstable_heads_by_score(rows([NAN] * 3, [0.3, 0.1, 0.2, 0.4]), [[0, 2], [3]], QUARTER) == [[0, 2], [1]]
     assert unstable_heads_by_score(rows([NAN] * 2, [NAN] * 2), [[1], []], QUARTER) == [[1], []]
     # a head without a score stays stable
-    assert unstable_heads_by_score(rows([0.3, NAN, 0.2, 0.5, 0.6]), [[1]], QUARTER) == [[2]]
+    assert unstable_heads_by_score(rows([0.3, NAN, 0.2, 0.5]), [[1]], QUARTER) == [[2]]
 
 
 def test_the_first_chunks_wait_for_the_last_layer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -337,3 +344,10 @@ def test_the_host_tiers_are_planned_for_the_heads_the_split_will_keep_stable(fra
     cache = FlexiCache(tiny_config(group=2, num_kv_heads=4, num_layers=4), token_budget=32, unstable_fraction=fraction)
     assert all(layer.awaits_head_split for layer in cache.layers)
     assert planned_stable_heads(cache.layers) == [4 * kept] * 4
+
+
+def test_no_host_tier_is_planned_for_fewer_than_four_paged_heads() -> None:
+    cache = FlexiCache(tiny_config(group=2, num_kv_heads=1, num_layers=3), token_budget=32)
+    assert planned_stable_heads(cache.layers) == [0.0] * 3
+    cache = FlexiCache(tiny_config(group=2, num_kv_heads=1, num_layers=4), token_budget=32)
+    assert planned_stable_heads(cache.layers) == [0.5] * 4  # two of four stay stable

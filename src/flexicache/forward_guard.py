@@ -24,7 +24,7 @@ import torch
 from flexicache import host_tier, thread_claims
 from flexicache.backends import DecodeBackend, PreparedBackend
 from flexicache.config import FlexiCacheConfig
-from flexicache.head_split import OnlineHeadSplit, unstable_count
+from flexicache.head_split import OnlineHeadSplit, too_few_to_split, unstable_count
 from flexicache.host_limits import check_room, gib, system_limits
 from flexicache.host_pool import BLOCK_BYTES, REMEDY, host_pool
 from flexicache.sequence import SequenceState
@@ -132,13 +132,16 @@ def check_host_demand(layers: Sequence[PagedLayer], sequence: SequenceState, key
 def planned_stable_heads(layers: Sequence[PagedLayer]) -> list[float]:
     """Each layer's stable heads at its next store. A layer waiting for the online head split
     (:mod:`flexicache.head_split`) holds every head as stable until the split makes
-    :func:`~flexicache.head_split.unstable_count` of all waiting heads unstable: it counts its share of the rest."""
+    :func:`~flexicache.head_split.unstable_count` of all waiting heads unstable (all of them where
+    :func:`~flexicache.head_split.too_few_to_split`): it counts its share of the rest."""
     waiting = [layer for layer in layers if layer.awaits_head_split]
     heads = sum(len(layer.stable_heads) for layer in waiting)
     kept = 1.0
     if heads:
         fraction = waiting[0].settings.unstable_fraction
-        kept = 1 - unstable_count(heads, sum(len(layer.profile_unstable) for layer in waiting), fraction) / heads
+        unstable = heads if too_few_to_split(heads) else unstable_count(
+            heads, sum(len(layer.profile_unstable) for layer in waiting), fraction)
+        kept = 1 - unstable / heads
     return [len(layer.stable_heads) * (kept if layer.awaits_head_split else 1.0) for layer in layers]
 
 

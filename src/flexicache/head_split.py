@@ -45,8 +45,8 @@ from flexicache.profiling.stability import lowest_count
 
 WINDOW = PROMPT_TAIL_QUERIES  # prompt-tail query positions the estimate reads (those the page split reads)
 MAX_DISTANCE = 16  # step distances the stability is averaged over (the rerank interval's default)
-# Fewer scored heads than this are all made unstable: a quarter of them is less than one head, the default profile's
-# floor leaves at most one stable, and the prompt's pick among so few was measured wrong (Gemma-3-270M, module doc).
+# A cache with fewer paged KV heads makes them all unstable: a quarter of them is less than one head, the default
+# profile's floor leaves at most one stable, and the prompt's pick among so few was measured wrong (Gemma-3-270M).
 MIN_SPLIT_HEADS = 4
 
 
@@ -135,8 +135,11 @@ def unstable_heads_by_score(scores: Sequence[torch.Tensor], fallbacks: Sequence[
 
     Returns:
         Per layer, ascending head indices: :func:`unstable_count` of the scored heads, where the fallbacks of the
-        scored layers give the default profile's count. Equal scores go to the earlier layer and head first.
+        scored layers give the default profile's count; every head when there are too few (:func:`too_few_to_split`).
+        Equal scores go to the earlier layer and head first.
     """
+    if too_few_to_split(sum(row.numel() for row in scores)):
+        return [list(range(row.numel())) for row in scores]
     finite = [(float(score), layer, head) for layer, row in enumerate(scores)
               for head, score in enumerate(row.tolist()) if math.isfinite(score)]
     scored = {layer for _, layer, _ in finite}
@@ -151,11 +154,13 @@ def unstable_heads_by_score(scores: Sequence[torch.Tensor], fallbacks: Sequence[
 def unstable_count(num_scored: int, default_count: int, fraction: float) -> int:
     """How many of ``num_scored`` heads the split makes unstable: ``fraction`` of them (rounded as the offline
     profiler rounds, :func:`~flexicache.profiling.stability.lowest_count`), at least one, and at least
-    ``default_count`` (what :meth:`HeadProfile.default` makes unstable among their layers); all of them when they are
-    fewer than :data:`MIN_SPLIT_HEADS`."""
-    if num_scored < MIN_SPLIT_HEADS:
-        return num_scored
-    return min(num_scored, max(1, lowest_count(num_scored, fraction), default_count))
+    ``default_count`` (what :meth:`HeadProfile.default` makes unstable among their layers)."""
+    return min(num_scored, max(1, lowest_count(num_scored, fraction), default_count)) if num_scored else 0
+
+
+def too_few_to_split(num_heads: int) -> bool:
+    """Whether a cache of ``num_heads`` paged KV heads keeps them all unstable (:data:`MIN_SPLIT_HEADS`)."""
+    return num_heads < MIN_SPLIT_HEADS
 
 
 def _owning(tensor: torch.Tensor) -> torch.Tensor:
