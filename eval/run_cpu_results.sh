@@ -572,6 +572,15 @@ PY
                 --page-size 8 --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_interval=8 \
                 budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_interval=4 \
                 --out "$root/levers/ppl-1.5k-replicate-rerank-interval-online"
+            echo "+ levers: 2K standby pages per stable head (standby_pages=48 at budget 192), the defaults otherwise"
+            eval_cpu --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
+                --context-length 1536 --prefill 1024 --profile online \
+                --method budget=192,exact_rescore=true,standby_pages=48,head_budgets=prompt,exact_candidates=3 \
+                --out "$root/levers/ppl-1.5k-standby-2k-online"
+            eval_cpu --model smollm2 --suite ppl --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" \
+                --context-length 1536 --prefill 1024 --profile online \
+                --method budget=192,exact_rescore=true,standby_pages=48,head_budgets=prompt,exact_candidates=3 \
+                --out "$root/levers/ppl-1.5k-replicate-standby-2k-online"
             eval_cpu_exact --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
                 --context-length 1536 --prefill 1024 --profile online \
                 --method budget=192,exact_rescore=true,standby_pages=24,exact_candidates=3 \
