@@ -12,7 +12,7 @@ On a random-weight model of a real shape (``--shape``, all its layers by default
 
 FlexiCache runs without a profile (the library's default: the head split estimated from the prompt over every layer;
 ``--unstable-fraction F``: a random profile instead, ``--standby-pages quarter``: another standby setting,
-``--skip-dense``: only the FlexiCache rows; ``--eager-first-recordings``: the ``from_model`` rows again with every
+``--skip-dense``: only the FlexiCache rows; ``--gc-freeze``: the long run again after ``gc.freeze()``; ``--eager-first-recordings``: the ``from_model`` rows again with every
 whole-step graph recording running its step eagerly before the capture, the A/B of recording a rerank phase at
 once, :func:`flexicache.step_graph._record`). A
 stopping-criteria clock (the device synchronised) times every step: the first interval is prompt to first token
@@ -53,6 +53,29 @@ from flexicache.models import cache_keyword
 GIB = 2**30
 
 
+class GcClock:
+    """Python's cyclic garbage collections while it is entered: count and milliseconds per generation."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.ms = [0.0, 0.0, 0.0]
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.ms[info["generation"]] += (time.perf_counter() - self._start) * 1000
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def generate_steps(model: Any, ids: torch.Tensor, new_tokens: int, cache: Any = None, **kwargs: Any) -> list[float]:
     """Milliseconds of every step of one greedy ``generate`` into ``cache`` (the first: prompt to first token)."""
     clock = StepClock(ids.device)
@@ -84,22 +107,29 @@ def release(device: torch.device) -> None:
 
 
 def measure(name: str, model: Any, ids: torch.Tensor, new_tokens: int, warm_ids: torch.Tensor,
-            cache_kwargs: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """One system's row: a short untimed ``generate``, then the timed one."""
+            cache_kwargs: Callable[[], dict[str, Any]], gc_freeze: bool = False) -> dict[str, Any]:
+    """One system's row: a short untimed ``generate``, then the timed one (``gc_freeze``: with every object alive
+    before it moved out of the cyclic collector's reach, ``gc.freeze()``)."""
     device = ids.device
     generate_steps(model, warm_ids, 4, **cache_kwargs())
     release(device)
     reset_peak(device)
     synchronize(device)
-    step_ms = generate_steps(model, ids, new_tokens, **cache_kwargs())
+    if gc_freeze:
+        gc.freeze()
+    with GcClock() as collections_seen:
+        step_ms = generate_steps(model, ids, new_tokens, **cache_kwargs())
+    gc.unfreeze()
     row = {"system": name, "new_tokens": new_tokens, "prompt_to_first_token_s": step_ms[0] / 1000,
            **summarize(step_ms[1:]), "step_ms_max": max(step_ms[1:]), "peak_device_gib": (peak(device) or 0) / GIB,
-           **slow_steps(step_ms[1:]), "step_ms": [round(ms, 3) for ms in step_ms[1:]]}
+           **slow_steps(step_ms[1:]), "gc_freeze": gc_freeze, "gc_collections": collections_seen.count,
+           "gc_ms": [round(ms, 2) for ms in collections_seen.ms], "step_ms": [round(ms, 3) for ms in step_ms[1:]]}
     print(f"{name:<66} p50 {row['step_ms_p50']:7.2f} ms  p99 {row['step_ms_p99']:7.2f} ms  "
           f"(p99/p50 {row['p99_over_p50']:.2f}, max {row['step_ms_max']:.2f})  first token "
           f"{row['prompt_to_first_token_s']:6.2f} s  peak {row['peak_device_gib']:6.1f} GiB", flush=True)
     print(f"  steps > 1.2x median: {row['slow_steps']}, by index mod 16 {row['slow_steps_mod_16']}; slowest "
-          f"{row['slowest_steps']}", flush=True)
+          f"{row['slowest_steps']}; garbage collections by generation {row['gc_collections']}, "
+          f"{row['gc_ms']} ms", flush=True)
     release(device)
     return row
 
@@ -128,6 +158,8 @@ def main() -> None:
                         help="FlexiCache's standby_pages (default: the library's, 'auto'), e.g. quarter or 0")
     parser.add_argument("--eager-first-recordings", action="store_true",
                         help="the from_model rows again with every recording running its step eagerly first")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="the long run again with gc.freeze() before it (objects alive then are never scanned)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
@@ -159,9 +191,10 @@ def main() -> None:
         name = "FlexiCache.from_model(model) (whole-step graphs" + ("" if at_once else ", recorded eagerly first")
         rows.append(measure(name + ")", model, ids, args.new_tokens, warm_ids,
                             lambda: from_model_cache(model, settings, at_once)))
-        if args.long_tokens:
-            rows.append(measure(f"the same, {args.long_tokens} new tokens", model, ids, args.long_tokens, warm_ids,
-                                lambda: from_model_cache(model, settings, at_once)))
+        for freeze in (False, True) if args.long_tokens and args.gc_freeze else (False,) if args.long_tokens else ():
+            rows.append(measure(f"the same, {args.long_tokens} new tokens" + (", gc.freeze()" if freeze else ""),
+                                model, ids, args.long_tokens, warm_ids,
+                                lambda: from_model_cache(model, settings, at_once), freeze))
     print(f"total {time.perf_counter() - start:.0f} s", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({

@@ -343,7 +343,7 @@ def test_the_rerank_case_runs_the_settings_of_the_run():
 def test_the_setup_line_names_the_page_selection():
     from flexicache.benchmarks.report import setup_lines
 
-    run = json.loads((ROOT / "eval/results/gpu/decode/bench.json").read_text())
+    run = json.loads((ROOT / "eval/results/gpu/h100_decode_defaults/bench.json").read_text())
     assert "keys' attention mass" in setup_lines(run)[2]  # a run with exact_rescore recorded
     assert "candidates per unstable head" not in setup_lines(run)[2]  # from before exact_candidates: 2 x K
     run["settings"].update(exact_candidates=3, head_budgets="prompt")
