@@ -12,9 +12,9 @@ On a random-weight model of a real shape (``--shape``, all its layers by default
 
 FlexiCache runs without a profile (the library's default: the head split estimated from the prompt over every layer;
 ``--unstable-fraction F``: a random profile instead, ``--standby-pages quarter``: another standby setting,
-``--skip-dense``: only the FlexiCache rows; ``--gc-freeze``: the long run again after ``gc.freeze()``; ``--eager-first-recordings``: the ``from_model`` rows again with every
-whole-step graph recording running its step eagerly before the capture, the A/B of recording a rerank phase at
-once, :func:`flexicache.step_graph._record`). A
+``--skip-dense``: only the FlexiCache rows; ``--gc-freeze``: the long run again after ``gc.freeze()``;
+``--eager-first-recordings``: the ``from_model`` rows again with every whole-step graph recording running its step
+eagerly before the capture, the A/B of recording a rerank phase at once, :func:`flexicache.step_graph._record`). A
 stopping-criteria clock (the device synchronised) times every step: the first interval is prompt to first token
 (the prefill), the rest are decode steps (p50, p99 and p99/p50). Peak device memory is torch's allocator peak over
 the whole ``generate``. One untimed FlexiCache request at full size goes first: the first request of a process
@@ -119,7 +119,8 @@ def measure(name: str, model: Any, ids: torch.Tensor, new_tokens: int, warm_ids:
         gc.freeze()
     with GcClock() as collections_seen:
         step_ms = generate_steps(model, ids, new_tokens, **cache_kwargs())
-    gc.unfreeze()
+    if gc_freeze:
+        gc.unfreeze()
     row = {"system": name, "new_tokens": new_tokens, "prompt_to_first_token_s": step_ms[0] / 1000,
            **summarize(step_ms[1:]), "step_ms_max": max(step_ms[1:]), "peak_device_gib": (peak(device) or 0) / GIB,
            **slow_steps(step_ms[1:]), "gc_freeze": gc_freeze, "gc_collections": collections_seen.count,
@@ -191,7 +192,9 @@ def main() -> None:
         name = "FlexiCache.from_model(model) (whole-step graphs" + ("" if at_once else ", recorded eagerly first")
         rows.append(measure(name + ")", model, ids, args.new_tokens, warm_ids,
                             lambda: from_model_cache(model, settings, at_once)))
-        for freeze in (False, True) if args.long_tokens and args.gc_freeze else (False,) if args.long_tokens else ():
+        if not args.long_tokens:
+            continue
+        for freeze in (False, True) if args.gc_freeze else (False,):
             rows.append(measure(f"the same, {args.long_tokens} new tokens" + (", gc.freeze()" if freeze else ""),
                                 model, ids, args.long_tokens, warm_ids,
                                 lambda: from_model_cache(model, settings, at_once), freeze))

@@ -75,12 +75,13 @@ class FlexiCacheConfig:
             ``"uniform"``: ``K`` for every head (the paper's).
         unstable_fraction: the share of the paged KV heads that the online head split (``profile=None``,
             :mod:`flexicache.head_split`) makes unstable, in ``(0, 1]``, never fewer than :meth:`HeadProfile.default`
-            makes unstable, and all of them where there are fewer than four (Gemma-3-270M's three). ``0.25`` (the default, the paper's). An unstable head keeps its whole KV on the device
-            (a stable head's sits in the host tier) and chooses its pages from all of them at every step, so less rests
-            on selections gone stale; measured, more of them moves which text loses rather than how much (perplexity
-            at 1/8 at 0.5 against 0.25: SmolLM2 1.013 and 1.019 of dense against 1.023 and 1.018, Qwen2.5-Coder 1.027
-            and 1.003 against 1.015 and 1.010; eval/RESULTS.md). Gemma-3-270M with all three paged heads unstable gave
-            1.005 and 1.002 of dense on its two pairs of files, against 1.008 and 1.043 with two. A cache with a fixed profile takes the profile's
+            makes unstable, and all of them where there are fewer than four (Gemma-3-270M's three). ``0.25`` (the
+            default, the paper's). An unstable head keeps its whole KV on the device (a stable head's sits in the host
+            tier) and chooses its pages from all of them at every step, so less rests on selections gone stale;
+            measured, more of them moves which text loses rather than how much (perplexity at 1/8 at 0.5 against 0.25:
+            SmolLM2 1.013 and 1.019 of dense against 1.023 and 1.018, Qwen2.5-Coder 1.027 and 1.003 against 1.015 and
+            1.010; eval/RESULTS.md). Gemma-3-270M with all three paged heads unstable gave 1.005 and 1.002 of dense on
+            its two pairs of files, against 1.008 and 1.043 with two. A cache with a fixed profile takes the profile's
             heads (``flexicache profile --fraction`` sets its share).
         backend: decode kernel: ``"auto"`` (FlashInfer on CUDA when installed, else the torch reference),
             ``"reference"`` or ``"flashinfer"``.
