@@ -29,6 +29,7 @@ Usage: ``python eval/gpu_end_to_end.py [--shape llama-3.1-8b] [--layers N] [--co
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gc
 import json
@@ -54,19 +55,30 @@ GIB = 2**30
 
 
 class GcClock:
-    """Python's cyclic garbage collections while it is entered: count and milliseconds per generation."""
+    """Python's cyclic garbage collections while it is entered: count and milliseconds per generation, and every
+    collection as ``(perf_counter at its start, generation, ms)``."""
 
     def __init__(self) -> None:
         self.count = [0, 0, 0]
         self.ms = [0.0, 0.0, 0.0]
+        self.events: list[tuple[float, int, float]] = []
         self._start = 0.0
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._start = time.perf_counter()
-        else:
-            self.count[info["generation"]] += 1
-            self.ms[info["generation"]] += (time.perf_counter() - self._start) * 1000
+            return
+        ms = (time.perf_counter() - self._start) * 1000
+        self.count[info["generation"]] += 1
+        self.ms[info["generation"]] += ms
+        self.events.append((self._start, info["generation"], ms))
+
+    def by_step(self, step_times: list[float]) -> list[tuple[int, int, float]]:
+        """The collections inside decode steps as ``(decode step index, generation, ms)``; ``step_times``: the
+        :class:`StepClock`'s times (prompt start, first token, then one per decode step)."""
+        decode_starts = step_times[1:-1]
+        return [(bisect.bisect_right(decode_starts, start) - 1, generation, round(ms, 2))
+                for start, generation, ms in self.events if decode_starts and start >= decode_starts[0]]
 
     def __enter__(self) -> GcClock:
         gc.callbacks.append(self._callback)
@@ -76,8 +88,8 @@ class GcClock:
         gc.callbacks.remove(self._callback)
 
 
-def generate_steps(model: Any, ids: torch.Tensor, new_tokens: int, cache: Any = None, **kwargs: Any) -> list[float]:
-    """Milliseconds of every step of one greedy ``generate`` into ``cache`` (the first: prompt to first token)."""
+def generate_steps(model: Any, ids: torch.Tensor, new_tokens: int, cache: Any = None, **kwargs: Any) -> StepClock:
+    """The clock of one greedy ``generate`` into ``cache`` (its first step: prompt to first token)."""
     clock = StepClock(ids.device)
     if cache is not None:
         kwargs[cache_keyword(model)] = cache
@@ -85,7 +97,7 @@ def generate_steps(model: Any, ids: torch.Tensor, new_tokens: int, cache: Any = 
         warnings.filterwarnings("ignore", category=UserWarning)  # StaticCache's and sdpa's notes
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                        stopping_criteria=StoppingCriteriaList([clock]), **kwargs)
-    return clock.step_ms()
+    return clock
 
 
 def slow_steps(step_ms: list[float]) -> dict[str, Any]:
@@ -118,19 +130,25 @@ def measure(name: str, model: Any, ids: torch.Tensor, new_tokens: int, warm_ids:
     if gc_freeze:
         gc.freeze()
     with GcClock() as collections_seen:
-        step_ms = generate_steps(model, ids, new_tokens, **cache_kwargs())
+        clock = generate_steps(model, ids, new_tokens, **cache_kwargs())
+    step_ms = clock.step_ms()
     if gc_freeze:
         gc.unfreeze()
+    gc_steps = collections_seen.by_step(clock.times)
+    median = statistics.median(step_ms[1:])
+    slow_with_gc = {i for i, _, _ in gc_steps if step_ms[1 + i] > 1.2 * median}
     row = {"system": name, "new_tokens": new_tokens, "prompt_to_first_token_s": step_ms[0] / 1000,
            **summarize(step_ms[1:]), "step_ms_max": max(step_ms[1:]), "peak_device_gib": (peak(device) or 0) / GIB,
            **slow_steps(step_ms[1:]), "gc_freeze": gc_freeze, "gc_collections": collections_seen.count,
-           "gc_ms": [round(ms, 2) for ms in collections_seen.ms], "step_ms": [round(ms, 3) for ms in step_ms[1:]]}
+           "gc_ms": [round(ms, 2) for ms in collections_seen.ms],
+           "gc_by_step": gc_steps, "slow_steps_with_gc": len(slow_with_gc),
+           "step_ms": [round(ms, 3) for ms in step_ms[1:]]}
     print(f"{name:<66} p50 {row['step_ms_p50']:7.2f} ms  p99 {row['step_ms_p99']:7.2f} ms  "
           f"(p99/p50 {row['p99_over_p50']:.2f}, max {row['step_ms_max']:.2f})  first token "
           f"{row['prompt_to_first_token_s']:6.2f} s  peak {row['peak_device_gib']:6.1f} GiB", flush=True)
     print(f"  steps > 1.2x median: {row['slow_steps']}, by index mod 16 {row['slow_steps_mod_16']}; slowest "
           f"{row['slowest_steps']}; garbage collections by generation {row['gc_collections']}, "
-          f"{row['gc_ms']} ms", flush=True)
+          f"{row['gc_ms']} ms, in {len(slow_with_gc)} of the slow steps", flush=True)
     release(device)
     return row
 
