@@ -17,9 +17,11 @@ FlexiCache runs without a profile (the library's default: the head split estimat
 eagerly before the capture, the A/B of recording a rerank phase at once, :func:`flexicache.step_graph._record`). A
 stopping-criteria clock (the device synchronised) times every step: the first interval is prompt to first token
 (the prefill), the rest are decode steps (p50, p99 and p99/p50). Peak device memory is torch's allocator peak over
-the whole ``generate``. One untimed FlexiCache request at full size goes first: the first request of a process
-page-locks its host tier (later ones borrow the pool's blocks), and every system first runs one short untimed
-``generate`` (kernel JIT, CUDA-graph recording of the short shape).
+the whole ``generate``. Each row also places every garbage collection and every whole-step graph replay (its
+host and device milliseconds) in its decode step, to tell what makes a slow step slow. One untimed FlexiCache
+request at full size goes first: the first request of a process page-locks its host tier (later ones borrow the
+pool's blocks), and every system first runs one short untimed ``generate`` (kernel JIT, CUDA-graph recording of the
+short shape).
 
 Usage: ``python eval/gpu_end_to_end.py [--shape llama-3.1-8b] [--layers N] [--context 32768] [--batch 8]
 [--budget 1024] [--new-tokens 128] [--long-tokens 2000 (0: none)] [--out r.json]``; ``--device cpu --shape tiny-llama
@@ -43,7 +45,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, StoppingCriteriaList
 
-from flexicache import FlexiCache
+from flexicache import FlexiCache, step_graph
 from flexicache.attention import ATTENTION_NAME
 from flexicache.benchmarks.attention import Shape, random_profile
 from flexicache.benchmarks.measure import StepClock, build_model, peak, random_ids, reset_peak, summarize, synchronize
@@ -88,6 +90,57 @@ class GcClock:
         gc.callbacks.remove(self._callback)
 
 
+class ReplayClock:
+    """Every whole-step graph replay while it is entered (:func:`flexicache.step_graph._replay` wrapped): the host's
+    ``perf_counter`` when the replay starts, and the device time from before its input copies to after its output
+    copies (CUDA events). Tells a slow step's host time from its device time."""
+
+    def __init__(self) -> None:
+        self.replays: list[tuple[float, torch.cuda.Event, torch.cuda.Event]] = []
+        self._original = step_graph._replay
+
+    def _timed_replay(self, *args: Any) -> Any:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        host = time.perf_counter()
+        start.record()
+        output = self._original(*args)
+        end.record()
+        self.replays.append((host, start, end))
+        return output
+
+    def __enter__(self) -> ReplayClock:
+        step_graph._replay = self._timed_replay
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        step_graph._replay = self._original
+
+    def by_step(self, step_times: list[float]) -> list[tuple[int, float, float]]:
+        """``(decode step index, host ms from the step's start to its replay, device ms of the replay)`` per
+        replay; ``step_times``: the :class:`StepClock`'s times (the device synchronised at each)."""
+        torch.cuda.synchronize()
+        decode_starts = step_times[1:-1]
+        rows = []
+        for host, start, end in self.replays:
+            step = bisect.bisect_right(decode_starts, host) - 1
+            if step >= 0:
+                rows.append((step, round((host - decode_starts[step]) * 1000, 3), round(start.elapsed_time(end), 3)))
+        return rows
+
+
+def replay_summary(replays: list[tuple[int, float, float]], step_ms: list[float]) -> dict[str, Any]:
+    """Median host and device milliseconds of the replayed steps, apart for the steps slower than 1.2x the median
+    and the others (``step_ms``: the decode steps)."""
+    median = statistics.median(step_ms)
+    slow = [(host, device) for step, host, device in replays if step_ms[step] > 1.2 * median]
+    others = [(host, device) for step, host, device in replays if step_ms[step] <= 1.2 * median]
+
+    def medians(pairs: list[tuple[float, float]]) -> list[float] | None:
+        return [round(statistics.median(p[i] for p in pairs), 3) for i in (0, 1)] if pairs else None
+
+    return {"replay_host_device_ms_slow": medians(slow), "replay_host_device_ms_others": medians(others)}
+
+
 def generate_steps(model: Any, ids: torch.Tensor, new_tokens: int, cache: Any = None, **kwargs: Any) -> StepClock:
     """The clock of one greedy ``generate`` into ``cache`` (its first step: prompt to first token)."""
     clock = StepClock(ids.device)
@@ -129,12 +182,13 @@ def measure(name: str, model: Any, ids: torch.Tensor, new_tokens: int, warm_ids:
     synchronize(device)
     if gc_freeze:
         gc.freeze()
-    with GcClock() as collections_seen:
+    with GcClock() as collections_seen, ReplayClock() as replays:
         clock = generate_steps(model, ids, new_tokens, **cache_kwargs())
     step_ms = clock.step_ms()
     if gc_freeze:
         gc.unfreeze()
     gc_steps = collections_seen.by_step(clock.times)
+    replayed = replays.by_step(clock.times) if device.type == "cuda" else []
     median = statistics.median(step_ms[1:])
     slow_with_gc = {i for i, _, _ in gc_steps if step_ms[1 + i] > 1.2 * median}
     row = {"system": name, "new_tokens": new_tokens, "prompt_to_first_token_s": step_ms[0] / 1000,
@@ -142,13 +196,15 @@ def measure(name: str, model: Any, ids: torch.Tensor, new_tokens: int, warm_ids:
            **slow_steps(step_ms[1:]), "gc_freeze": gc_freeze, "gc_collections": collections_seen.count,
            "gc_ms": [round(ms, 2) for ms in collections_seen.ms],
            "gc_by_step": gc_steps, "slow_steps_with_gc": len(slow_with_gc),
+           **replay_summary(replayed, step_ms[1:]), "replays": replayed,
            "step_ms": [round(ms, 3) for ms in step_ms[1:]]}
     print(f"{name:<66} p50 {row['step_ms_p50']:7.2f} ms  p99 {row['step_ms_p99']:7.2f} ms  "
           f"(p99/p50 {row['p99_over_p50']:.2f}, max {row['step_ms_max']:.2f})  first token "
           f"{row['prompt_to_first_token_s']:6.2f} s  peak {row['peak_device_gib']:6.1f} GiB", flush=True)
     print(f"  steps > 1.2x median: {row['slow_steps']}, by index mod 16 {row['slow_steps_mod_16']}; slowest "
           f"{row['slowest_steps']}; garbage collections by generation {row['gc_collections']}, "
-          f"{row['gc_ms']} ms, in {len(slow_with_gc)} of the slow steps", flush=True)
+          f"{row['gc_ms']} ms, in {len(slow_with_gc)} of the slow steps; host/device ms of a replay: slow steps "
+          f"{row['replay_host_device_ms_slow']}, others {row['replay_host_device_ms_others']}", flush=True)
     release(device)
     return row
 
