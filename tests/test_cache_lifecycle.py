@@ -151,7 +151,8 @@ GRAD_MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, 
 
 def decode_in_modes(model, cache, ids: torch.Tensor, modes: list[str], steps: int) -> list[int]:
     """Prefill ``ids`` under ``modes[0]``, then ``steps`` greedy decode steps, step ``i`` under
-    ``modes[(i + 1) % len(modes)]`` with a crop of the last 3 positions halfway; the tokens."""
+    ``modes[(i + 1) % len(modes)]``, the one a quarter in extending the cache by ``ids``' first 10 tokens (a chunk
+    of several tokens after decode steps), with a crop of the last 3 positions halfway; the tokens."""
     with GRAD_MODES[modes[0]]():
         logits = model(ids, past_key_values=cache).logits
     tokens = [int(logits[0, -1].argmax())]
@@ -160,7 +161,8 @@ def decode_in_modes(model, cache, ids: torch.Tensor, modes: list[str], steps: in
             if step == steps // 2:
                 cache.crop(-3)
                 tokens = tokens[:-3]
-            logits = model(torch.tensor([[tokens[-1]]]), past_key_values=cache).logits
+            step_ids = ids[:, :10] if step == steps // 4 else torch.tensor([[tokens[-1]]])
+            logits = model(step_ids, past_key_values=cache).logits
         tokens.append(int(logits[0, -1].argmax()))
     return tokens
 

@@ -303,7 +303,7 @@ class OffloadedPages:
         tail_slots = self._tail_slots_of(requests)
         self._to_device(self._host_page_index(requests, (plan.after[requests] - 1) // self.page_size), tail_slots,
                         torch.ones_like(tail_slots, dtype=torch.bool))
-        self.counters.bytes_h2d += self.host_page_bytes(requests.numel() * self.num_heads)
+        self._count_copied_to_device(requests.numel() * self.num_heads)
 
     def _stage(self, num_pages: int) -> bool:
         """Make :attr:`staged` for a first chunk of ``num_pages`` pages per row (the same bytes the tier gets, written
