@@ -26,7 +26,7 @@ from flexicache.backends import DecodeBackend, PreparedBackend
 from flexicache.config import FlexiCacheConfig
 from flexicache.head_split import OnlineHeadSplit, too_few_to_split, unstable_count
 from flexicache.host_limits import check_room, gib, system_limits
-from flexicache.host_pool import BLOCK_BYTES, REMEDY, host_pool
+from flexicache.host_pool import REMEDY, block_size, host_pool
 from flexicache.sequence import SequenceState
 from flexicache.step_graph import (LAYER_BY_LAYER, StepGraphs, StepGraphStore, calling_model, enable_step_graphs,
                                    single_cuda_device)
@@ -106,7 +106,7 @@ def check_host_demand(layers: Sequence[PagedLayer], sequence: SequenceState, key
         return  # every tier has room (a decode step, most of the time)
     batch_size, _, _, head_dim = key_states.shape
     host_dtype = settings.host_tier_dtype(key_states.dtype)
-    page_bytes = 2 * settings.page_size * head_dim * torch.empty((), dtype=host_dtype).element_size()  # K + V
+    page_bytes = 2 * settings.page_size * head_dim * host_dtype.itemsize  # K + V
     device = key_states.device if layers[0].storage is None else layers[0].storage.device
     pinned = host_tier.pins_host_tier(device)
     needed, largest_replaced, heads = 0, 0, 0.0
@@ -118,7 +118,7 @@ def check_host_demand(layers: Sequence[PagedLayer], sequence: SequenceState, key
         new_bytes = math.ceil(head_pages * stable_heads * batch_size * page_bytes)
         old_bytes = current * len(layer.stable_heads) * batch_size * page_bytes
         if pinned:  # the pool hands out whole blocks
-            new_bytes, old_bytes = (-(-nbytes // BLOCK_BYTES) * BLOCK_BYTES for nbytes in (new_bytes, old_bytes))
+            new_bytes, old_bytes = block_size(new_bytes), block_size(old_bytes)
         needed += new_bytes - old_bytes
         largest_replaced = max(largest_replaced, old_bytes)  # a growing tier's old and new buffers coexist briefly
         heads += stable_heads
@@ -147,11 +147,11 @@ def planned_stable_heads(layers: Sequence[PagedLayer]) -> list[float]:
 
 def tier_pages(storage: LayerStorage | None, settings: FlexiCacheConfig, pages: int) -> int | None:
     """Pages per row the host tier of ``storage`` (``None``: not made yet) will have once it holds ``pages`` pages
-    (the rule of :meth:`~flexicache.host_tier.HostTier.reserve`), or ``None`` if it has room already."""
+    (:func:`~flexicache.host_tier.grown_capacity`), or ``None`` if it has room already."""
     current = settings.reserved_pages if storage is None else storage.offloaded.host.k.shape[2]
     if pages <= current:
         return None if storage is not None else current
-    return pages + max(64, pages // 4)
+    return host_tier.grown_capacity(pages)
 
 
 UNWRAPPED_HINT = (

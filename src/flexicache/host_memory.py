@@ -99,7 +99,7 @@ def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     Raises:
         RuntimeError: CUDA refused to page-lock the memory (e.g. the locked-memory limit); the message says so.
     """
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     if not anonymous_mappings():  # (Windows): torch's own pinned allocation

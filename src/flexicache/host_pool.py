@@ -55,6 +55,11 @@ class _Block:
     used: bool = False
 
 
+def block_size(nbytes: int) -> int:
+    """Bytes of the block the pool hands out for a request of ``nbytes``: whole :data:`BLOCK_BYTES`."""
+    return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
+
+
 def _wait_for_devices() -> None:
     """Wait for the kernels of every CUDA device this process started (they may use a block given back)."""
     if not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
@@ -98,7 +103,7 @@ class HostPool:
         """
         if nbytes <= 0:
             return torch.empty(0, dtype=torch.uint8)
-        size = -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
+        size = block_size(nbytes)
         with self._lock:
             block = self._take_free(size)
             if block is None:

@@ -10,6 +10,12 @@ from flexicache.host_memory import anonymous_mappings, pinned_zeros
 from flexicache.host_pool import host_pool
 
 
+def grown_capacity(num_pages: int) -> int:
+    """Pages per row a tier grown to hold ``num_pages`` gets: a quarter more (at least 64 pages) for the tokens to
+    come, so that a prefill reserves its decode headroom at once."""
+    return num_pages + max(64, num_pages // 4)
+
+
 def pins_host_tier(device: torch.device) -> bool:
     """Whether the host tier of a cache on ``device`` is page-locked (CUDA: asynchronous copies, zero-copy kernels)."""
     return device.type == "cuda"
@@ -47,17 +53,17 @@ class HostTier:
             return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
         if not anonymous_mappings():  # no pool without anonymous mappings: torch's pinned allocations
             return pinned_zeros(shape, dtype), pinned_zeros(shape, dtype)
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         both = host_pool().borrow(2 * nbytes).view(dtype).view(2, *shape)
         return both[0], both[1]
 
     def reserve(self, num_pages: int) -> None:
-        """Room for ``num_pages`` pages per row, plus a quarter (at least 64 pages) for the tokens to come: a prefill
-        reserves its decode headroom at once, so the first full page after it does not reallocate the whole tier."""
+        """Room for ``num_pages`` pages per row (:func:`grown_capacity`: the first full page after a prefill does not
+        reallocate the whole tier)."""
         if num_pages <= self.k.shape[2]:
             return
         shape = list(self.k.shape)
-        shape[2] = num_pages + max(64, num_pages // 4)
+        shape[2] = grown_capacity(num_pages)
         # Both or neither (a refusal leaves the tier as it was), so the old and new keys and values coexist briefly.
         grown_k, grown_v = self._buffers(tuple(shape), self.k.dtype)
         grown_k[:, :, : self.k.shape[2]].copy_(self.k)

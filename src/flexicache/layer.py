@@ -349,7 +349,7 @@ class FlexiLayer(CacheLayerMixin):
         if not self.is_initialized or self.num_chunks == 0:
             return {}
         storage = self.storage
-        token_bytes = 2 * storage.head_dim * torch.empty(0, dtype=storage.dtype).element_size()  # K + V, one head
+        token_bytes = 2 * storage.head_dim * storage.dtype.itemsize  # K + V, one head
         stats = {**storage.byte_counts(self.sequence.num_tokens_host),
                  "reranks_unstable": self.unstable_reranks, "reranks_stable": 0,
                  "promoted_pages": 0, "bytes_h2d": 0, "bytes_d2h": 0,

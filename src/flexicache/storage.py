@@ -172,7 +172,7 @@ class LayerStorage:
         """``device_kv_bytes``, ``device_metadata_bytes``, ``device_reserved_bytes``, ``host_kv_bytes`` and
         ``host_reserved_bytes`` of requests holding ``num_tokens_host [B]`` real tokens (see ``FlexiCache.stats``)."""
         page_size = self.settings.page_size
-        page_bytes = 2 * page_size * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()  # K + V
+        page_bytes = 2 * page_size * self.head_dim * self.dtype.itemsize  # K + V
         used_pages = int(((num_tokens_host + page_size - 1) // page_size).sum())
         basis_bytes = 0 if self.basis is None else self.basis.nbytes
         counts = {  # in use (pages of the requests' real tokens) and reserved (capacity included)
