@@ -285,7 +285,8 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         """Memory and work counters, summed over layers.
 
         Keys: ``device_kv_bytes`` (KV in use on the device: unstable heads' pages + stable heads' K + C slots, and the
-        windows of sliding-window layers), ``device_metadata_bytes`` (page min/max of the pages in use),
+        windows of sliding-window layers), ``device_metadata_bytes`` (page min/max of the pages in use, and the
+        ``[B, H, D, D]`` key basis with ``principal_bounds``),
         ``device_reserved_bytes`` (all device tensors, capacity included),
         ``host_kv_bytes`` (stable heads' pages in the host tier), ``host_reserved_bytes``, ``dense_kv_bytes``
         (what DynamicCache would hold: full-attention layers' every token, sliding-window layers' window),

@@ -123,9 +123,9 @@ def local_view(model: torch.nn.Module, profile: HeadProfile | str | os.PathLike 
                ) -> tuple[Any, HeadProfile | str | os.PathLike | None]:
     """``(config, profile)`` to build this process's cache with: the model's own, or this rank's slice under TP.
 
-    ``profile`` is the full model's (a :class:`HeadProfile`, a path, or ``None`` for the default); under tensor
-    parallelism it is validated against the full model, then sliced with :func:`shard_profile`, and the config is a
-    copy with this rank's head counts (:func:`shard_config`).
+    ``profile`` is the full model's (a :class:`HeadProfile`, a path, or ``None``: estimated from the prompt); under
+    tensor parallelism it is validated against the full model, then sliced with :func:`shard_profile`, and the config
+    is a copy with this rank's head counts (:func:`shard_config`).
     """
     shard = tensor_parallel_shard(model)
     if shard is None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from flexicache.config import integer_argument
-from flexicache.hybrid import sparse_layers
+from flexicache.hybrid import sparse_layers, text_config_of
 from flexicache.profiles import PROFILES_DIR, shipped_profile_path
 
 PROFILE_FORMAT_VERSION = 1
@@ -35,7 +35,7 @@ def shipped_profiles() -> list[str]:
 
 def model_shape(config: Any) -> tuple[int, int, int]:
     """``(num_layers, num_kv_heads, head_dim)`` of a transformers decoder config."""
-    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text_config = text_config_of(config)
     num_layers = text_config.num_hidden_layers
     num_heads = text_config.num_attention_heads
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
@@ -140,7 +140,8 @@ class HeadProfile:
     def validate_for(self, config: Any) -> None:
         """Raise ``ValueError`` if this profile was made for a model of another shape or other layer types."""
         shape = model_shape(config)
-        advice = "Profile this model with `flexicache profile` or pass profile=None for the default."
+        advice = ("Profile this model with `flexicache profile`, or pass profile=None (unstable heads estimated from "
+                  "the prompt) or profile=\"default\".")
         if shape != (self.num_layers, self.num_kv_heads, self.head_dim):
             raise ValueError(
                 f"This HeadProfile was made for a model with {self.num_layers} layers, {self.num_kv_heads} KV heads "
@@ -256,7 +257,8 @@ def resolve_profile(profile: HeadProfile | str | os.PathLike | None, config: Any
                 check_profile_fields(data, named)  # names the field when one is at fault
             raise ValueError(f"{named} is not a readable FlexiCache HeadProfile "
                              f"({type(error).__name__}: {error}). Pass a file written by HeadProfile.save or "
-                             "`flexicache profile`, a shipped profile's name, or profile=None for the default."
+                             "`flexicache profile`, a shipped profile's name, or profile=None (unstable heads "
+                             "estimated from the prompt)."
                              ) from error
     check_profile_fields(profile.to_dict(), named)
     profile.validate_for(config)

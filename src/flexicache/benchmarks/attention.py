@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from transformers import LlamaConfig
 from transformers.cache_utils import DynamicLayer
 
 from flexicache import FlexiCache, HeadProfile, attention, handoff
-from flexicache.benchmarks.measure import synchronize
+from flexicache.benchmarks.measure import nearest_rank_p99, synchronize
 from flexicache.config import DEFAULT_UNSTABLE_FRACTION
 from flexicache.step_graph import run_graphed_step
 
@@ -121,7 +120,7 @@ def time_steps(step: Callable[[int], None], first: int, steps: int, device: torc
         step_ms.append(start.elapsed_time(end) if cuda else host_ms[-1])
     step_ms.sort()
     return {"step_ms_p50": statistics.median(step_ms), "step_ms_mean": statistics.fmean(step_ms),
-            "step_ms_p99": step_ms[max(0, math.ceil(0.99 * len(step_ms)) - 1)], "p99_rule": "nearest-rank",
+            "step_ms_p99": nearest_rank_p99(step_ms), "p99_rule": "nearest-rank",
             "timed_steps": len(step_ms), "host_issue_ms_p50": statistics.median(host_ms),
             "host_issue_ms_mean": statistics.fmean(host_ms)}
 

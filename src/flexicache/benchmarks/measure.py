@@ -124,11 +124,16 @@ def timed_generate(model: Any, cache: Cache, ids: torch.Tensor, new_tokens: int,
     return sequences, clock.step_ms()
 
 
+def nearest_rank_p99(ordered: list[float]) -> float:
+    """The 99th percentile of ascending ``ordered`` by the nearest rank: the slowest value but ``len(ordered) // 100``."""
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
 def summarize(step_ms: list[float]) -> dict[str, float]:
     """p50 (median), p99 (nearest rank), mean and p99/p50 of step times."""
     ordered = sorted(step_ms)
     p50 = statistics.median(ordered)
-    p99 = ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+    p99 = nearest_rank_p99(ordered)
     return {"step_ms_p50": p50, "step_ms_p99": p99, "step_ms_mean": statistics.fmean(ordered),
             "p99_over_p50": p99 / p50}
 

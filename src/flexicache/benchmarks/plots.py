@@ -7,15 +7,7 @@ from typing import Any
 
 from flexicache.benchmarks.rerank import rerank_summary
 from flexicache.benchmarks.results import GIB, case_rows, find, memory_full, peak_of
-
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from flexicache.plotting import pyplot
 
 
 def tokens_label(count: int) -> str:
@@ -37,7 +29,7 @@ def series_of(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 def plot_memory(rows: list[dict[str, Any]], path: Path) -> None:
     """Full-depth device bytes (KV + metadata) and peak (CUDA) or reserved device bytes vs context, per system."""
-    plt = _pyplot()
+    plt = pyplot()
     fulls = [memory_full(row) for row in rows]  # dynamic-offload: one resident layer at any depth
     has_peak = any("peak_bytes" in full for full in fulls)
     estimated = any(peak_of(row)[1] for row in rows)  # fewer layers ran than the model has
@@ -67,7 +59,7 @@ def plot_memory(rows: list[dict[str, Any]], path: Path) -> None:
 
 def plot_speedup(rows: list[dict[str, Any]], path: Path) -> None:
     """Step-time speedup over DynamicCache vs batch size, one panel per context."""
-    plt = _pyplot()
+    plt = pyplot()
     contexts = sorted({row["context"] for row in rows})
     fig, axes = plt.subplots(1, len(contexts), figsize=(4.2 * len(contexts), 3.6), squeeze=False)
     for ax, context in zip(axes[0], contexts):
@@ -94,7 +86,7 @@ def plot_speedup(rows: list[dict[str, Any]], path: Path) -> None:
 def plot_rerank(rows: list[dict[str, Any]], path: Path) -> None:
     """Step time per rerank schedule (mean when recorded, else p50), annotated with the rerank time (mean step over
     no_rerank's mean) or, without means, the p50 excess (labelled so), and reranked rows per step."""
-    plt = _pyplot()
+    plt = pyplot()
     summary = rerank_summary(rows)
     names = list(summary)
     has_mean = all(summary[name]["step_ms_mean"] is not None for name in names)
@@ -135,7 +127,7 @@ PLOTS = {"memory": ("memory.png", plot_memory, bool), "decode": ("decode_speedup
 def write_plots(results: dict[str, Any], out: Path) -> list[str]:
     """Write the plots whose case has rows to plot; returns their file names (none without matplotlib)."""
     try:
-        _pyplot()
+        pyplot()
     except ImportError:
         return []
     written = []

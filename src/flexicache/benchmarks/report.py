@@ -414,15 +414,14 @@ def render_body(results: dict[str, Any], plot_prefix: str = "", cases: list[str]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def render_report(results: dict[str, Any], plot_prefix: str = "", rendered_by: str | None = None) -> str:
-    """The standalone report (``report.md``): plot links point to ``plot_prefix/<name>.png`` (beside the report by
-    default). ``rendered_by``: the command that re-rendered it from ``bench.json`` (``--report-from``), stated under
+def render_report(results: dict[str, Any], rendered_by: str | None = None) -> str:
+    """The standalone report (``report.md``; its plots beside it). ``rendered_by``: the command that re-rendered it from ``bench.json`` (``--report-from``), stated under
     the measuring command."""
     lines = [f"### flexicache bench: {hardware(results['env'])}", "", f"Measured by: `{results['command']}`", ""]
     if rendered_by:
         lines += [f"Report (every derived number, table and plot) rendered from its `bench.json` by: `{rendered_by}`",
                   ""]
-    return "\n".join(lines) + "\n" + render_body(results, plot_prefix)
+    return "\n".join(lines) + "\n" + render_body(results)
 
 
 def rerender_command(report_from: str, out: str, update_benchmarks: str | None = None) -> str:

@@ -20,6 +20,7 @@ from flexicache.config import FlexiCacheConfig
 from flexicache.diagnostics import selectors
 from flexicache.diagnostics.recall import Selector, StepScores, evaluate
 from flexicache.diagnostics.trace import DecodeTrace
+from flexicache.plotting import pyplot
 
 
 def selections(settings: FlexiCacheConfig) -> dict[str, Selector]:
@@ -65,10 +66,7 @@ def write(result: dict[str, Any], out: str | Path) -> list[Path]:
     paths = [out / "diagnosis.json"]
     paths[0].write_text(json.dumps(result, indent=1))
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         return paths
     budgets = sorted(result["budgets"], key=int)

@@ -204,6 +204,7 @@ def generate_from(model: Any, prompts: Sequence[Sequence[int]], cache: Any, pref
     """What :func:`~flexicache.evaluation.generation.generate` returns for these arguments, with ``prefill`` (from
     :func:`prefill_generation` with the same ones) in place of its own prefill; fills the empty ``cache``.
 
+    ``decode_tail`` is accepted with ``generate``'s other keywords; the prefill (made with the same value) decides.
     With a decode tail, the rest of the prompt but its last token is fed one per forward and ``generate`` reads the
     last one, as there. Without, the output starts with the prefill's first token; the rows that go on continue in
     one ``generate`` of the prompt and that token (the cache holds the prompt: generate runs the token alone), one

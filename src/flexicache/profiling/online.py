@@ -2,9 +2,10 @@
 
 Every query position ``p`` of the prompt tail is treated like a decode step over the pages that exist at ``p``
 (``p // page_size + 1`` of them, the one holding ``p`` forced as the tail); the top-K sets of neighbouring tail
-positions are compared with the same RCO as the offline profiler. A cache can call :func:`prompt_stability` per
-layer from its prefill path (it needs the tail queries and the layer's keys) or
-:func:`estimate_unstable_heads_from_prompt` for all layers at once.
+positions are compared with the same RCO as the offline profiler. FlexiCache's online split
+(:mod:`flexicache.head_split`) calls :func:`prompt_stability` per layer at prefill;
+:func:`estimate_unstable_heads_from_prompt` is an analysis helper over all layers of one request (Quest's bound, no
+floor on the count), not what a cache does.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from flexicache.config import DEFAULT_UNSTABLE_FRACTION
-from flexicache.hybrid import sparse_layers
+from flexicache.hybrid import sparse_layers, text_config_of
 from flexicache.profile import HeadProfile, model_shape
 from flexicache.profiling.data import CalibrationSample, EncodedSample, encode_sample
 from flexicache.profiling.measure import MeasureSettings, SampleTrace, trace_batch
@@ -94,7 +94,7 @@ def sample_curves(traces: Sequence[SampleTrace], settings: MeasureSettings, atte
 
 
 def _model_info(config: Any, extra: dict[str, Any]) -> dict[str, Any]:
-    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text_config = text_config_of(config)
     info = {
         "model_type": getattr(text_config, "model_type", None),
         "architectures": getattr(config, "architectures", None),

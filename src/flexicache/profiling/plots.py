@@ -5,16 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from flexicache.plotting import pyplot
 from flexicache.profile import HeadProfile
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def plot_stability_heatmap(profile: HeadProfile, path: str | os.PathLike) -> Path:
@@ -22,7 +14,7 @@ def plot_stability_heatmap(profile: HeadProfile, path: str | os.PathLike) -> Pat
     layers); unstable heads are marked with a cross."""
     if profile.scores is None:
         raise ValueError("The profile has no per-head scores to plot; profile the model with `flexicache profile`.")
-    plt = _pyplot()
+    plt = pyplot()
     width = max(3.5, 0.9 * profile.num_kv_heads + 2.0)
     height = max(3.0, 0.22 * profile.num_layers + 1.5)
     fig, ax = plt.subplots(figsize=(width, height))
@@ -46,7 +38,7 @@ def plot_rco_curves(profile: HeadProfile, path: str | os.PathLike) -> Path:
     curves = profile.calibration.get("reports", {}).get("rco_vs_distance")
     if not curves:
         raise ValueError("The profile has no rco_vs_distance report to plot.")
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.0, 3.5))
     distance = curves["distance"]
     for name, color in (("stable", "tab:blue"), ("unstable", "tab:red")):
