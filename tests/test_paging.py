@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from flexicache import FlexiCache, HeadProfile
 from flexicache.paging import PageMetadata, PagePool, ResidentPages, chunk_tokens, grow_dim
-from flexicache.sequence import SequenceState
+from flexicache.sequence import SequenceState, expand_ranges
 
 
 @st.composite
@@ -226,3 +226,12 @@ def test_host_tier_growth_is_all_or_nothing(monkeypatch: pytest.MonkeyPatch) -> 
         tier.reserve(200)
     assert tier.k.shape == tier.v.shape == (1, 2, 74, 4, 8)
     assert bool((tier.k == 1.0).all()) and bool((tier.v == 2.0).all())
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 6)), max_size=8))
+def test_expand_ranges_lists_every_range_in_order(ranges: list[tuple[int, int]]) -> None:
+    starts = torch.tensor([start for start, _ in ranges], dtype=torch.long)
+    counts = torch.tensor([count for _, count in ranges], dtype=torch.long)
+    owner, value = expand_ranges(starts, counts)
+    expected = [(i, start + k) for i, (start, count) in enumerate(ranges) for k in range(count)]
+    assert list(zip(owner.tolist(), value.tolist())) == expected

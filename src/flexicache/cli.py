@@ -1,5 +1,5 @@
-"""``flexicache`` command line: ``profile``, ``eval``, ``diagnose`` and ``bench`` subcommands, and the device and dtype options
-they share with the example scripts."""
+"""``flexicache`` command line: ``profile``, ``eval``, ``diagnose`` and ``bench`` subcommands, and the device and
+dtype options they share with the example scripts."""
 
 from __future__ import annotations
 

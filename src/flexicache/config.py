@@ -48,8 +48,9 @@ class FlexiCacheConfig:
         group_reduce: how the box scores of the query heads of one GQA group are combined, ``"max"`` or ``"sum"``
             (exact rescoring always sums their attention shares).
         spread_weight: how much a page's key spread counts in its score, in ``[0, 1]``: a page scores
-            ``q . centre + spread_weight * |q| . radius`` of its key box (:func:`~flexicache.selection.quest_page_scores`);
-            ``1.0`` is Quest's upper bound, ``0.5`` (the default) measured closer to dense attention (eval/RESULTS.md).
+            ``q . centre + spread_weight * |q| . radius`` of its key box
+            (:func:`~flexicache.selection.quest_page_scores`); ``1.0`` is Quest's upper bound, ``0.5`` (the default)
+            measured closer to dense attention (eval/RESULTS.md).
         principal_bounds: keep every page's key box in the principal axes of its (request, head)'s prompt keys
             (:mod:`flexicache.key_basis`; the default): tighter boxes, the same attention; costs a ``[D, D]`` basis
             per row and two small matrix products per layer and step. ``False``: boxes in the model's axes (Quest).
@@ -160,7 +161,8 @@ class FlexiCacheConfig:
             raise ValueError(f"group_reduce must be 'max' or 'sum', got {self.group_reduce!r}.")
         if (isinstance(self.spread_weight, bool) or not isinstance(self.spread_weight, (int, float))
                 or not 0.0 <= self.spread_weight <= 1.0):
-            raise ValueError(f"spread_weight must be a number in [0, 1] (1.0: Quest's bound), got {self.spread_weight!r}.")
+            raise ValueError(
+                f"spread_weight must be a number in [0, 1] (1.0: Quest's bound), got {self.spread_weight!r}.")
         object.__setattr__(self, "spread_weight", float(self.spread_weight))
         if not isinstance(self.principal_bounds, bool):
             raise ValueError(f"principal_bounds must be True or False, got {self.principal_bounds!r}.")

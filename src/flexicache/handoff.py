@@ -74,7 +74,8 @@ def _put(chunk: StagedChunk) -> None:
     _local.chunk = chunk
     if previous is not None and previous.layer is not None:
         _local.chunk = None  # drop both: once the model is switched (or the cache reset), the next forward works
-        if previous.layer_idx < chunk.layer_idx:  # this forward went on to the next layer without the flexicache attention
+        # this forward went on to the next layer without the flexicache attention
+        if previous.layer_idx < chunk.layer_idx:
             raise RuntimeError(
                 f"FlexiCache layer {previous.layer_idx} was updated but its attention did not run through the "
                 f"flexicache attention function: the model uses another attn_implementation. {SWITCH_HINT}"

@@ -532,4 +532,5 @@ class OffloadedPages:
         shape = (nonempty.numel(), self.num_heads, self.page_size, head_dim)
         keys[nonempty, :, tail_page] = self.pool.k[tail_slots].view(shape)  # the tail pages live on the device
         values[nonempty, :, tail_page] = self.pool.v[tail_slots].view(shape)
-        return (keys.view(batch_size, self.num_heads, -1, head_dim), values.view(batch_size, self.num_heads, -1, head_dim))
+        tokens = (batch_size, self.num_heads, -1, head_dim)
+        return keys.view(tokens), values.view(tokens)

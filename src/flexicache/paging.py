@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from flexicache.sequence import AppendPlan, per_row
+from flexicache.sequence import AppendPlan, expand_ranges, per_row
 
 
 def grow_dim(tensor: torch.Tensor, dim: int, size: int, fill: float | bool = 0) -> torch.Tensor:
@@ -22,7 +22,8 @@ def grow_dim(tensor: torch.Tensor, dim: int, size: int, fill: float | bool = 0) 
         return tensor
     shape = list(tensor.shape)
     shape[dim] = grown_size(current, size)
-    with torch.inference_mode(False):  # made outside inference mode, like every buffer a cache keeps (flexicache.storage)
+    # made outside inference mode, like every buffer a cache keeps (flexicache.storage)
+    with torch.inference_mode(False):
         grown = tensor.new_full(shape, fill)
         grown.narrow(dim, 0, current).copy_(tensor)
     return grown
@@ -201,9 +202,7 @@ class ResidentPages:
         total = int(counts.sum())
         if total:
             start = self.pool.allocate(total * self.num_heads)
-            batch = torch.arange(counts.numel()).repeat_interleave(counts)
-            first = torch.cumsum(counts, 0) - counts
-            page = fresh_start.repeat_interleave(counts) + torch.arange(total) - first.repeat_interleave(counts)
+            batch, page = expand_ranges(fresh_start, counts)
             slots = torch.arange(start, start + total * self.num_heads, device=self.table.device)
             device = self.table.device
             self.table[batch.to(device), :, page.to(device)] = slots.view(-1, self.num_heads)
@@ -228,8 +227,7 @@ class ResidentPages:
         total = int(num_pages.sum())
         if not total:
             return
-        batch = torch.arange(num_pages.numel()).repeat_interleave(num_pages)
-        page = torch.arange(total) - (torch.cumsum(num_pages, 0) - num_pages).repeat_interleave(num_pages)
+        batch, page = expand_ranges(torch.zeros_like(num_pages), num_pages)
         batch, page = batch.to(device), page.to(device)
         count = total * self.num_heads
         start = self.pool.allocate(count)

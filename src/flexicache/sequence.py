@@ -111,10 +111,8 @@ class AppendPlan:
         if self.batch.device == device:
             return self
         if device not in self._per_device:
-            moved = {
-                name: getattr(self, name).to(device)
-                for name in ("batch", "chunk_pos", "page", "offset", "new_page_batch", "new_page_index", "before", "after")
-            }
+            names = ("batch", "chunk_pos", "page", "offset", "new_page_batch", "new_page_index", "before", "after")
+            moved = {name: getattr(self, name).to(device) for name in names}
             self._per_device[device] = AppendPlan(
                 page_size=self.page_size,
                 before_host=self.before_host,
@@ -137,6 +135,14 @@ def per_row(per_request: torch.Tensor, num_heads: int) -> torch.Tensor:
     """``[n * h]``: each value of ``per_request [n]`` repeated for its request's ``h`` rows (``b * h + head``); the
     output size is given, so on CUDA this does not wait for the device."""
     return per_request.repeat_interleave(num_heads, output_size=per_request.numel() * num_heads)
+
+
+def expand_ranges(starts: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ranges ``starts[i] .. starts[i] + counts[i] - 1`` one after the other, for CPU ``starts, counts [n]``:
+    ``(owner, value)``, both ``[counts.sum()]``, ``owner`` the index ``i`` of each value's range."""
+    owner = torch.arange(counts.numel()).repeat_interleave(counts)
+    first = torch.cumsum(counts, 0) - counts  # where each range starts in the output
+    return owner, starts[owner] + torch.arange(owner.numel()) - first[owner]
 
 
 class SequenceState:
@@ -262,10 +268,7 @@ class SequenceState:
             after, after_host = before + added, before_host + added.cpu()
         first_new = (before_host + page_size - 1) // page_size
         end_new = (after_host + page_size - 1) // page_size
-        counts = end_new - first_new
-        new_page_batch = torch.arange(batch_size).repeat_interleave(counts)
-        starts = torch.cumsum(counts, 0) - counts
-        new_page_index = first_new.repeat_interleave(counts) + torch.arange(int(counts.sum())) - starts.repeat_interleave(counts)
+        new_page_batch, new_page_index = expand_ranges(first_new, end_new - first_new)
         return AppendPlan(
             page_size=page_size,
             batch=batch,

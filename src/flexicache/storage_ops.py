@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from flexicache import decode_paths
-from flexicache.sequence import host_to_device
+from flexicache.sequence import expand_ranges, host_to_device
 from flexicache.storage import LayerStorage
 
 
@@ -45,9 +45,8 @@ def crop_storage(storage: LayerStorage, before: torch.Tensor, after: torch.Tenso
         storage.resident.keep_spare(old_pages)
     counts = (old_pages - new_pages)[changed]
     if int(counts.sum()):
-        batch = changed.repeat_interleave(counts)
-        page = new_pages[batch] + torch.arange(batch.numel()) - (torch.cumsum(counts, 0) - counts).repeat_interleave(
-            counts)
+        owner, page = expand_ranges(new_pages[changed], counts)
+        batch = changed[owner]
         storage.meta.clear_pages(host_to_device(batch, device), host_to_device(page, device))
     kept = changed[after[changed] > 0]
     if kept.numel():

@@ -100,7 +100,8 @@ def decode_headlines(results: dict[str, Any]) -> list[str]:
                    and other["model"] == row["model"] and other["context"] < row["context"]]
         if row["system"].startswith("flexicache") and shorter:
             short = min(shorter, key=lambda other: other["context"])
-            out.append(f"{row['system']}'s step at {row['context']} tokens is {row['step_ms_p50'] / short['step_ms_p50']:.2f}x "
+            ratio = row["step_ms_p50"] / short["step_ms_p50"]
+            out.append(f"{row['system']}'s step at {row['context']} tokens is {ratio:.2f}x "
                        f"its step at {short['context']} (batch {row['batch']}, p50)")
     return out
 

@@ -125,7 +125,7 @@ def timed_generate(model: Any, cache: Cache, ids: torch.Tensor, new_tokens: int,
 
 
 def nearest_rank_p99(ordered: list[float]) -> float:
-    """The 99th percentile of ascending ``ordered`` by the nearest rank: the slowest value but ``len(ordered) // 100``."""
+    """The 99th percentile of ascending ``ordered`` by the nearest rank: the slowest but ``len(ordered) // 100``."""
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 

@@ -41,7 +41,8 @@ def measure(suite: Suite, model: Any, system: System, context: int, full: int) -
     row["device_fraction_of_dense"] = on_device / row["dense_kv_bytes"]
     scale = full / s.layers
     row["full_depth"] = {"layers": full, "device_kv_bytes": row["device_kv_bytes"] * scale,
-                         "device_bytes": on_device * scale, "device_reserved_bytes": row["device_reserved_bytes"] * scale,
+                         "device_bytes": on_device * scale,
+                         "device_reserved_bytes": row["device_reserved_bytes"] * scale,
                          "host_reserved_bytes": row["host_reserved_bytes"] * scale}
     if base is not None:  # CUDA: the allocator's view (``base`` holds the weights and nothing of this cache)
         left = allocated(suite.device) - base

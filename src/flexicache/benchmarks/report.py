@@ -415,8 +415,8 @@ def render_body(results: dict[str, Any], plot_prefix: str = "", cases: list[str]
 
 
 def render_report(results: dict[str, Any], rendered_by: str | None = None) -> str:
-    """The standalone report (``report.md``; its plots beside it). ``rendered_by``: the command that re-rendered it from ``bench.json`` (``--report-from``), stated under
-    the measuring command."""
+    """The standalone report (``report.md``; its plots beside it). ``rendered_by``: the command that re-rendered it
+    from ``bench.json`` (``--report-from``), stated under the measuring command."""
     lines = [f"### flexicache bench: {hardware(results['env'])}", "", f"Measured by: `{results['command']}`", ""]
     if rendered_by:
         lines += [f"Report (every derived number, table and plot) rendered from its `bench.json` by: `{rendered_by}`",

@@ -272,7 +272,8 @@ def package_version(name: str) -> str | None:
 def environment(settings: Settings) -> dict[str, Any]:
     """Versions and hardware of this run."""
     env = {
-        "python": platform.python_version(), "torch": torch.__version__, "transformers": package_version("transformers"),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": package_version("transformers"),
         "flashinfer": package_version("flashinfer-python"), "triton": package_version("triton"),
         "flexicache": package_version("flexicache"),
         "platform": platform.platform(), "cpu_count": os.cpu_count(),

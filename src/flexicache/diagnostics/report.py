@@ -1,9 +1,9 @@
 """Recall and output error of page selections over a budget sweep, as JSON and PNG plots.
 
 For every budget: FlexiCache's selection with the given settings, the same refined by the true mass of twice as
-many candidate pages (:func:`~flexicache.diagnostics.selectors.refined`), Quest's bound (``spread_weight=1`` in the model's
-axes) with the same page size, the oracle pages and the oracle tokens; per (layer, KV head) the mean over the traced steps of the
-attention mass kept (recall) and of the attention output's relative error.
+many candidate pages (:func:`~flexicache.diagnostics.selectors.refined`), Quest's bound (``spread_weight=1`` in the
+model's axes) with the same page size, the oracle pages and the oracle tokens; per (layer, KV head) the mean over the
+traced steps of the attention mass kept (recall) and of the attention output's relative error.
 """
 
 from __future__ import annotations
