@@ -188,8 +188,9 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """``Cache.update``; at a forward's first paged layer, first the checks of :mod:`flexicache.forward_guard`
-        (state after an error, one thread per shared backend, room for the host tiers)."""
+        """``Cache.update`` with the chunk's ``key_states, value_states [B, H, T, D]`` of layer ``layer_idx``; at a
+        forward's first paged layer, first the checks of :mod:`flexicache.forward_guard` (state after an error, one
+        thread per shared backend, room for the host tiers)."""
         if layer_idx == self._first_paged_layer and not self.layers[layer_idx].recording and not self.closed:
             forward_guard.refuse_use_cache_off(kwargs.get("kwargs"))
             forward_guard.begin_forward(self, self._flexi_layers(), self.sequence, self.step_graphs.failed,
@@ -240,7 +241,8 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
                 layer.batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep the requests ``indices`` (integer positions, any order, repeats allowed, or a boolean mask)."""
+        """Keep the requests ``indices`` (``[B']`` integer positions, any order, repeats allowed, or a ``[B]`` boolean
+        mask)."""
         if self.sequence.logical_length:
             index = _request_index(indices, self.sequence.batch_size)
             self._select(index)

@@ -59,7 +59,8 @@ _local = threading.local()
 
 
 def stage(layer: ChunkConsumer, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, logical_start: int) -> None:
-    """Called by a layer's ``update``; fails if the previous layer's chunk was never attended to."""
+    """Called by a layer's ``update`` with the chunk's ``keys, values [B, H, T, D]``; fails if the previous layer's
+    chunk was never attended to."""
     _put(StagedChunk(weakref.ref(layer), layer_idx, keys, values, logical_start))
 
 

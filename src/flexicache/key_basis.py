@@ -121,5 +121,5 @@ class KeyBasis:
         return torch.bmm(query.to(self.matrix.dtype), matrix.flatten(0, 1), out=out)
 
     def select(self, indices: torch.Tensor) -> KeyBasis:
-        """The basis of requests ``indices``, in that order (batch selection and repetition)."""
+        """The basis of requests ``indices [B']``, in that order (batch selection and repetition)."""
         return KeyBasis(self.matrix.index_select(0, indices.to(self.matrix.device)))
