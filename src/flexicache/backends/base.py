@@ -74,12 +74,13 @@ class PreparedBackend(DecodeBackend, Protocol):
     """A decode backend that plans a step once (host side) and then decodes from fixed buffers the caller fills:
     the CUDA-graph path (:class:`~flexicache.decode_paths.GraphedDecode`) captures :meth:`run_prepared`."""
 
-    def prepare(self, layout: DecodeLayout, group: int, head_dim: int, page_size: int, pages_per_head: int,
+    def prepare(self, layout: DecodeLayout, group: int, head_dim: int, page_size: int, row_width: int,
                 dtype: torch.dtype, scale: float, owner: object | None = None) -> Any:
         """Plan the step of ``layout`` (once per step: every layer passes the same layout; ``owner``: a layer storage
         with its own split of the pages, ``head_budgets="prompt"``, whose plan stays its own) and return its
         buffers:
-        ``indices`` (int32 ``[R * K + 1]``, the caller writes each row's listed pool slots at ``indptr[r]``) and
+        ``indices`` (int32 ``[R * row_width + 1]``, ``row_width`` the most pages a row lists; the caller writes each
+        row's listed pool slots at ``indptr[r]``) and
         ``indptr`` (int32 ``[R + 1]`` on the device)."""
         ...
 

@@ -102,13 +102,13 @@ class FlashInferBackend:
             return self.use_tensor_cores
         return group not in CUDA_CORE_GROUP_SIZES or group >= TENSOR_CORES_FROM_GROUP
 
-    def _planned_step(self, rows: int, pages_per_head: int, tensor_cores: bool, owner: object | None = None
+    def _planned_step(self, rows: int, row_width: int, tensor_cores: bool, owner: object | None = None
                       ) -> PlannedDecode:
-        """The CUDA-graph-mode wrapper (and its static buffers) for ``rows`` rows of at most ``pages_per_head``: one
+        """The CUDA-graph-mode wrapper (and its static buffers) for ``rows`` rows of at most ``row_width`` pages: one
         per shape shared by every layer, or ``owner``'s own (a layer storage with its own split of the pages,
         ``head_budgets="prompt"``: its captured decode reads its plan at every step; dropped with the owner)."""
         steps = self._planned_steps if owner is None else self._owned_steps.setdefault(owner, {})
-        key = (rows, pages_per_head, tensor_cores)
+        key = (rows, row_width, tensor_cores)
         if key not in steps:
             with torch.inference_mode(False):
                 shared = None
@@ -117,13 +117,13 @@ class FlashInferBackend:
                         self._split_last_page_len[rows] = SharedLengths(
                             torch.zeros(rows, dtype=torch.int32, device=self.device))
                     shared = self._split_last_page_len[rows]
-                steps[key] = self._new_planned_step(rows, pages_per_head, tensor_cores, shared)
+                steps[key] = self._new_planned_step(rows, row_width, tensor_cores, shared)
         return steps[key]
 
-    def _new_planned_step(self, rows: int, pages_per_head: int, tensor_cores: bool,
+    def _new_planned_step(self, rows: int, row_width: int, tensor_cores: bool,
                           shared_lengths: SharedLengths | None = None) -> PlannedDecode:
         indptr = torch.zeros(rows + 1, dtype=torch.int32, device=self.device)
-        indices = torch.zeros(rows * pages_per_head + 1, dtype=torch.int32, device=self.device)
+        indices = torch.zeros(rows * row_width + 1, dtype=torch.int32, device=self.device)
         last_page_len = (torch.zeros(rows, dtype=torch.int32, device=self.device) if shared_lengths is None
                          else shared_lengths.buffer)
         wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -133,7 +133,7 @@ class FlashInferBackend:
         )
         return PlannedDecode(wrapper, indices, indptr, last_page_len, shared_lengths=shared_lengths)
 
-    def prepare(self, layout: DecodeLayout, group: int, head_dim: int, page_size: int, pages_per_head: int,
+    def prepare(self, layout: DecodeLayout, group: int, head_dim: int, page_size: int, row_width: int,
                 dtype: torch.dtype, scale: float, owner: object | None = None) -> PlannedDecode:
         """Plan the step once (every layer of the step passes the same ``layout``) and return its buffers; a layer
         with its own split of the pages (``head_budgets="prompt"``) passes its storage as ``owner`` and keeps its
@@ -146,11 +146,11 @@ class FlashInferBackend:
         of host time), on the FlashInfer releases where this was verified (``PLAN_REUSE_RELEASES``).
         """
         tensor_cores = self._tensor_cores(group)
-        settings = (group, head_dim, page_size, pages_per_head, dtype, scale, tensor_cores)
+        settings = (group, head_dim, page_size, row_width, dtype, scale, tensor_cores)
         key = (layout, id(owner), *settings)  # layers with equal splits share a layout, each keeps its own plan
         if self._plan_key == key:
             return self._current
-        planned = self._planned_step(layout.row_last_page_len_host.numel(), pages_per_head, tensor_cores, owner)
+        planned = self._planned_step(layout.row_last_page_len_host.numel(), row_width, tensor_cores, owner)
         same_pages = (self.reuses_plans and planned.planned_for is not None and planned.planned_for[0] == settings
                       and torch.equal(planned.planned_for[1], layout.row_indptr_host))
         shared = planned.shared_lengths
