@@ -8,6 +8,7 @@ on the CPU in test_triton_interpreted.py (``check_freeing``) and on the GPU in t
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import warnings
 import weakref
@@ -185,3 +186,25 @@ def test_any_grad_mode_in_any_order(modes: list[str]) -> None:
     buffers += [stored.offloaded.host.k for stored in storage if stored.offloaded is not None]
     assert not any(tensor.requires_grad or tensor.is_inference() for tensor in buffers)
     assert cache.stats()["promoted_pages"] > 0
+
+
+@pytest.mark.parametrize("copy_mode", ["inference_mode", "no_grad"])
+def test_a_deep_copy_of_a_prompt_cache_continues_in_any_grad_mode(copy_mode: str) -> None:
+    """The prompt-reuse recipe: prefill once, deep-copy the cache per continuation. The copy continues as the
+    original does, whatever grad mode copied it (its buffers are never inference tensors), and the original is
+    untouched by the copy's decoding."""
+    config = tiny_config(num_layers=3)
+    model = tiny_model(config)
+    prompt = random_prompt(30, seed=1).view(1, -1)
+    question = torch.cat([prompt, random_prompt(5, seed=2).view(1, -1)], 1)
+    cache = FlexiCache.from_model(model, profile=mixed_profile(config), token_budget=16, page_size=4,
+                                  rerank_interval=3)
+    with torch.no_grad():
+        model(prompt, past_key_values=cache)
+    with GRAD_MODES[copy_mode]():
+        copied = copy.deepcopy(cache)
+    assert not any(tensor.is_inference() for layer in copied.layers
+                   for tensor in (layer.storage.pool.k, layer.storage.meta.kmin))
+    continued = model.generate(question, past_key_values=copied, max_new_tokens=6, do_sample=False)
+    assert cache.get_seq_length() == 30
+    assert torch.equal(continued, model.generate(question, past_key_values=cache, max_new_tokens=6, do_sample=False))

@@ -5,9 +5,12 @@ graphs) and on the GPU in test_gpu_flashinfer.py (real graphs against eager gene
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import inspect
+import pickle
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -44,6 +47,26 @@ def test_from_model_installs_a_transparent_wrapper_and_disable_restores_the_forw
     assert "forward" not in vars(model) and model.forward.__func__ is LlamaForCausalLM.forward
     assert torch.equal(wrapped, generate(model, FlexiCache(model.config, token_budget=32), ids))
     assert torch.equal(dynamic, generate(model, DynamicCache(config=model.config), ids))
+
+
+def test_a_wrapped_model_is_freed_by_reference_counting_and_copies_with_its_own_forward() -> None:
+    """The wrapper in the model's ``__dict__`` holds no reference to the model (no cycle that only the garbage
+    collector breaks, which on a GPU would hold the weights), and a deep copy or a pickled model wraps its own
+    forward."""
+    model = tiny_model()
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(1))
+    expected = generate(model, FlexiCache.from_model(model, token_budget=32), ids)
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert isinstance(copied.forward, StepGraphs) and copied.forward.eager_forward.__self__ is copied
+        assert torch.equal(generate(copied, FlexiCache.from_model(copied, token_budget=32), ids), expected)
+    gc.collect()
+    gc.disable()
+    try:
+        freed = weakref.ref(model)
+        del model
+        assert freed() is None
+    finally:
+        gc.enable()
 
 
 def test_enable_is_idempotent_and_cuda_graphs_false_installs_nothing() -> None:

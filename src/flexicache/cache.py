@@ -16,6 +16,7 @@ A cache nobody refers to is freed by reference counting alone, its host tier and
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 import warnings
@@ -155,6 +156,16 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         self.backends.clear()
         self.closed = True
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> FlexiCache:
+        """An independent copy (e.g. one per continuation of a shared prompt); its buffers are made outside inference
+        mode whatever mode copies it, like every buffer a cache keeps (they are written in place later)."""
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        with torch.inference_mode(False):
+            for name, value in vars(self).items():
+                setattr(clone, name, copy.deepcopy(value, memo))
+        return clone
+
     def __enter__(self) -> FlexiCache:
         return self
 
@@ -191,7 +202,12 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         """``Cache.update`` with the chunk's ``key_states, value_states [B, H, T, D]`` of layer ``layer_idx``; at a
         forward's first paged layer, first the checks of :mod:`flexicache.forward_guard` (state after an error, one
         thread per shared backend, room for the host tiers)."""
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"This FlexiCache was built for a model of {len(self.layers)} decoder layers and got "
+                             f"layer {layer_idx}: build it from this model (FlexiCache.from_model(model) or "
+                             "FlexiCache(config=model.config)).")
         if layer_idx == self._first_paged_layer and not self.layers[layer_idx].recording and not self.closed:
+            self.sequence.check_batch(key_states.shape[0])  # before any layer stages or reads back a chunk
             forward_guard.refuse_use_cache_off(kwargs.get("kwargs"))
             forward_guard.begin_forward(self, self._flexi_layers(), self.sequence, self.step_graphs.failed,
                                         self.head_split, self.backends, key_states)

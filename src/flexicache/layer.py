@@ -141,11 +141,14 @@ class FlexiLayer(CacheLayerMixin):
         if self.recording:  # a whole-step graph capture: begin_graphed_step stored this step already
             handoff.stage(self, self.layer_idx, keys, values, start - 1)
             return key_states, value_states
-        handoff.stage(self, self.layer_idx, keys, values, start)
         if start == 0 or key_states.shape[2] == 1:
+            handoff.stage(self, self.layer_idx, keys, values, start)
             return key_states, value_states
         past_keys, past_values = self.read_logical()
-        return torch.cat([past_keys, key_states], dim=2), torch.cat([past_values, value_states], dim=2)
+        full_keys = torch.cat([past_keys, key_states], dim=2)
+        full_values = torch.cat([past_values, value_states], dim=2)
+        handoff.stage(self, self.layer_idx, keys, values, start)  # only once nothing here can fail
+        return full_keys, full_values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0

@@ -171,6 +171,14 @@ class SequenceState:
     def batch_size(self) -> int:
         return 0 if self.num_tokens is None else self.num_tokens.shape[0]
 
+    def check_batch(self, batch_size: int) -> None:
+        """Refuse a chunk of ``batch_size`` requests when the cache holds another batch."""
+        if self.num_tokens is not None and batch_size != self.batch_size:
+            raise ValueError(
+                f"FlexiCache holds a batch of {self.batch_size} requests, got {batch_size}: call cache.reset() "
+                "(or build a new FlexiCache) before starting another batch."
+            )
+
     def logical_length_after(self, num_chunks: int) -> int:
         """Logical positions of the first ``num_chunks`` chunks: what a layer that stored that many holds (a layer
         is at most one chunk behind the cache, while a forward runs through the layers)."""
@@ -227,11 +235,7 @@ class SequenceState:
             self.num_tokens_host = torch.zeros(batch_size, dtype=torch.long)
             with torch.inference_mode(False):  # written in place at every chunk, whatever grad mode it runs in
                 self.valid = torch.zeros(batch_size, max(64, 2 * length), dtype=torch.bool)
-        if batch_size != self.batch_size:
-            raise ValueError(
-                f"FlexiCache holds a batch of {self.batch_size} requests, got {batch_size}: call cache.reset() "
-                "(or build a new FlexiCache) before starting another batch."
-            )
+        self.check_batch(batch_size)
         self._store_validity(valid, length)
         before, before_host = self.num_tokens.to(device), self.num_tokens_host
         peeked, self.next_decode_plan = self.next_decode_plan, None

@@ -46,6 +46,7 @@ import functools
 import inspect
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -255,15 +256,39 @@ def single_cuda_device(layers: Sequence[StepLayer]) -> bool:
 
 
 class StepGraphs:
-    """A model's ``forward`` that replays FlexiCache decode steps from CUDA graphs (see the module docstring)."""
+    """A model's ``forward`` that replays FlexiCache decode steps from CUDA graphs (see the module docstring).
+
+    It sits in the model's ``__dict__`` and holds the model's own ``forward`` without a reference to the model (the
+    model's method, its module held weakly): no reference cycle, so a dropped model is freed by reference counting;
+    pickling or deep-copying the model wraps the copy's own ``forward``.
+    """
 
     def __init__(self, forward: Callable[..., Any]) -> None:
-        self.eager_forward = forward
-        functools.update_wrapper(self, forward)  # generate() inspects the forward's signature
+        functools.update_wrapper(self, forward)
+        del self.__wrapped__  # the bound method would refer to the model
+        module = getattr(forward, "__self__", None)
+        if isinstance(module, torch.nn.Module) and hasattr(forward, "__func__"):
+            self._function, self._module, self._forward = forward.__func__, weakref.ref(module), None
+        else:  # another callable (e.g. a hook's wrapper): held as it is
+            self._function, self._module, self._forward = None, None, forward
         try:
-            self.parameters = inspect.signature(forward).parameters
+            self.__signature__ = inspect.signature(forward)  # generate() inspects the forward's signature
+            self.parameters = tuple(self.__signature__.parameters)
         except (TypeError, ValueError):  # no signature to read: positions must come from the caller
-            self.parameters = {}
+            self.parameters = ()
+
+    @property
+    def eager_forward(self) -> Callable[..., Any]:
+        """The forward this wraps (the model's, bound to it again at each call)."""
+        if self._forward is not None:
+            return self._forward
+        module = self._module()
+        if module is None:
+            raise ReferenceError("The model whose forward this StepGraphs wraps is gone.")
+        return self._function.__get__(module)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return StepGraphs, (self.eager_forward,)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = next((value for value in kwargs.values() if isinstance(value, SupportsStepGraphs)), None)
