@@ -208,3 +208,21 @@ def test_a_deep_copy_of_a_prompt_cache_continues_in_any_grad_mode(copy_mode: str
     continued = model.generate(question, past_key_values=copied, max_new_tokens=6, do_sample=False)
     assert cache.get_seq_length() == 30
     assert torch.equal(continued, model.generate(question, past_key_values=cache, max_new_tokens=6, do_sample=False))
+
+
+def test_a_new_batch_on_a_used_cache_is_refused_and_leaves_nothing_for_the_next_forward() -> None:
+    """Another batch size without ``reset()`` gets the clear error before any layer stages its chunk, so the
+    model's next forward, with any cache, runs as if the refused one never happened; a cache built for fewer layers
+    than the model says so."""
+    config = tiny_config(num_layers=3)
+    model = tiny_model(config)
+    ids = random_prompt(20, seed=1).view(1, -1)
+    cache = FlexiCache.from_model(model, token_budget=64, profile="default")
+    greedy(model, ids, cache, max_new_tokens=4)
+    with pytest.raises(ValueError, match="holds a batch of 1 requests, got 3: call cache.reset"):
+        greedy(model, random_prompt(30, seed=2).view(1, -1).repeat(3, 1), cache, max_new_tokens=4)
+    dense = greedy(model, ids, DynamicCache(config=model.config), max_new_tokens=4)
+    assert torch.equal(greedy(model, ids, FlexiCache.from_model(model, token_budget=64), max_new_tokens=4), dense)
+    short = FlexiCache(tiny_config(num_layers=2), token_budget=64)
+    with pytest.raises(ValueError, match="built for a model of 2 decoder layers and got layer 2"):
+        greedy(model, ids, short, max_new_tokens=2)

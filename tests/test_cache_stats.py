@@ -17,6 +17,7 @@ from conftest import (
 )
 
 from flexicache import FlexiCache
+from flexicache.cache import COUNTED_STATS
 
 
 def expected_bytes(config, profile, real_tokens: list[int], page_size: int, budget: int, element: int):
@@ -95,12 +96,14 @@ def test_stats_before_use_and_after_reset():
     config = tiny_config("llama", group=2, num_kv_heads=2, num_layers=2)
     model = tiny_model(config, dtype=torch.float32)
     cache = FlexiCache.from_model(model, token_budget=32, page_size=16)
-    stats = cache.stats()
-    assert stats["decode_steps"] == 0 and stats["backend"] is None and "device_kv_bytes" not in stats
+    stats = cache.stats()  # every documented key, before the first forward as after a reset
+    assert stats["decode_steps"] == 0 and stats["backend"] is None and all(stats[name] == 0 for name in COUNTED_STATS)
     greedy(model, random_prompt(20, seed=0).view(1, -1), cache, None, 3)
     assert cache.stats()["device_kv_bytes"] > 0
     cache.reset()
-    assert cache.stats()["decode_steps"] == 0 and cache.get_seq_length() == 0
+    stats = cache.stats()
+    assert stats["decode_steps"] == 0 and cache.get_seq_length() == 0 and stats["device_kv_bytes"] == 0
+    assert set(COUNTED_STATS) <= set(stats)
 
 
 def test_work_counters_survive_crop_and_reorder():

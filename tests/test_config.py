@@ -238,3 +238,29 @@ def test_real_tokens_of_chunk_reads_bool_and_float_masks():
     assert real_tokens_of_chunk(None, 0, 3) is None
     with pytest.raises(ValueError, match="covers"):
         real_tokens_of_chunk(bool_mask, 2, 3)
+
+
+def test_a_model_for_a_config_a_config_for_a_model_and_a_mistyped_profile_name_are_refused_clearly() -> None:
+    config = tiny_config(num_layers=2)
+    model = tiny_model(config)
+    with pytest.raises(TypeError, match=r"config must be the model's config \(model.config\)"):
+        FlexiCache(model, token_budget=32)
+    with pytest.raises(TypeError, match="from_model takes the model"):
+        FlexiCache.from_model(model.config, token_budget=32)
+    with pytest.raises(FileNotFoundError, match="No profile file 'Default'.*profile=None.*profile='default'"):
+        FlexiCache(config, profile="Default", token_budget=32)
+    assert model.config._attn_implementation != ATTENTION_NAME  # nothing refused switched the model
+
+
+def test_unsigned_request_indices_select_like_signed_ones() -> None:
+    config = tiny_config(num_layers=2)
+    model = tiny_model(config)
+    ids = random_prompt(20, seed=3).view(1, -1).repeat(3, 1)
+    caches = [FlexiCache.from_model(model, token_budget=32) for _ in range(2)]
+    for cache in caches:
+        greedy(model, ids, cache, max_new_tokens=2)
+    caches[0].batch_select_indices(torch.tensor([2, 0], dtype=torch.uint8))
+    caches[1].batch_select_indices(torch.tensor([2, 0]))
+    assert caches[0].get_seq_length() == caches[1].get_seq_length()
+    pairs = zip(caches[0].layers, caches[1].layers)
+    assert all(torch.equal(a.read_logical()[0], b.read_logical()[0]) for a, b in pairs)

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache
 
 from flexicache import attention, forward_guard, handoff
@@ -85,6 +85,9 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
                                          exact_candidates=exact_candidates, head_budgets=head_budgets,
                                          unstable_fraction=unstable_fraction, backend=backend,
                                          cuda_graphs=cuda_graphs, max_cache_len=max_cache_len, host_dtype=host_dtype)
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(f"config must be the model's config (model.config), got {type(config).__name__}; "
+                            "FlexiCache.from_model(model) takes the model itself.")
         check_supported_model(config)
         if backend == "flashinfer":
             from flexicache.backends.flashinfer import flashinfer_available
@@ -127,6 +130,9 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
                    **settings: Any) -> FlexiCache:
         """Switch ``model`` to the flexicache attention and build a cache for it (under tensor parallelism: this
         rank's KV heads, with the profile sliced to them)."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"from_model takes the model (a torch.nn.Module), got {type(model).__name__}; "
+                            "FlexiCache(config=...) takes a config.")
         config, profile = local_view(model, profile)
         cache = cls(config, profile=profile, **settings)  # validate first: bad input leaves the model as is
         if model.config._attn_implementation != attention.ATTENTION_NAME:
@@ -318,12 +324,10 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         """
         if self.closed:
             raise RuntimeError(CLOSED_MESSAGE)
-        totals: dict[str, Any] = {}
+        totals: dict[str, Any] = dict.fromkeys(COUNTED_STATS, 0)  # every key, also before the first forward
         for layer in self.layers:
             for name, value in layer.stats().items():
                 totals[name] = totals.get(name, 0) + value
-        if "device_kv_bytes" in totals:
-            totals.setdefault("sliding_kv_bytes", 0)  # a model without sliding-window layers
         layers = self._flexi_layers()
         totals["decode_steps"] = self.sequence.decode_steps
         backends = sorted({layer.backend.name for layer in layers if layer.is_initialized})
@@ -334,6 +338,11 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
         totals["token_budget"] = self.settings.token_budget
         totals.update(host_pool().stats())  # the process's pool, shared by every cache on CUDA
         return totals
+
+
+COUNTED_STATS = ("device_kv_bytes", "device_metadata_bytes", "device_reserved_bytes", "host_kv_bytes",
+                 "host_reserved_bytes", "dense_kv_bytes", "sliding_kv_bytes", "reranks_unstable", "reranks_stable",
+                 "promoted_pages", "bytes_h2d", "bytes_d2h")  # FlexiCache.stats() keys summed over layers
 
 
 def _covering_window(kinds: list[LayerKind]) -> int | None:
@@ -357,6 +366,7 @@ def _request_index(indices: object, batch_size: int) -> torch.Tensor:
                          f"{index.dtype} of shape {tuple(index.shape)}.")
     if index.numel() == 0:
         raise ValueError("indices selects no request; call cache.reset() to empty the cache.")
+    index = index.long()  # an unsigned type would wrap the negative bound below
     if bool(((index < -batch_size) | (index >= batch_size)).any()):
         raise IndexError(f"indices {index.tolist()} out of range for a batch of {batch_size} requests.")
-    return index.long() % batch_size
+    return index % batch_size

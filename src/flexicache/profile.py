@@ -212,9 +212,12 @@ class HeadProfile:
         shipped = shipped_profile_path(str(path_or_repo_id))
         if shipped is not None:
             return cls.load(shipped)
-        if str(path_or_repo_id).endswith(".json") or str(path_or_repo_id).startswith((".", "~", os.sep)):
+        if (str(path_or_repo_id).endswith(".json") or str(path_or_repo_id).startswith((".", "~", os.sep))
+                or "/" not in str(path_or_repo_id)):
             raise FileNotFoundError(f"No profile file {str(path_or_repo_id)!r} (a hub repository id is "
-                                    "'owner/name'; shipped profiles: " + ", ".join(shipped_profiles()) + ").")
+                                    "'owner/name'; shipped profiles: " + ", ".join(shipped_profiles()) + "; "
+                                    "FlexiCache takes profile=None, the heads estimated from the prompt, or "
+                                    "profile='default').")
         from huggingface_hub import hf_hub_download
 
         return cls.load(hf_hub_download(repo_id=str(path_or_repo_id), filename=filename, revision=revision))
