@@ -226,3 +226,18 @@ def test_a_new_batch_on_a_used_cache_is_refused_and_leaves_nothing_for_the_next_
     short = FlexiCache(tiny_config(num_layers=2), token_budget=64)
     with pytest.raises(ValueError, match="built for a model of 2 decoder layers and got layer 2"):
         greedy(model, ids, short, max_new_tokens=2)
+
+
+def test_a_decode_step_that_would_carry_gradients_says_once_that_it_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(warn_once, "GIVEN", set())
+    config = tiny_config(num_layers=2)
+    model = tiny_model(config)
+    cache = FlexiCache.from_model(model, token_budget=16, page_size=4)
+    ids = random_prompt(20, seed=4).view(1, -1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*not differentiable")  # the prompt's dense attention carries gradients
+        model(ids, past_key_values=cache)
+        with torch.no_grad():
+            model(ids[:, :1], past_key_values=cache)
+    with pytest.warns(UserWarning, match="sparse decode attention is not differentiable"):
+        model(ids[:, 1:2], past_key_values=cache)

@@ -38,6 +38,12 @@ DENSE_DECODE_WARNING = (
     "transformers 5.24); set the model back to \"sdpa\" to silence this for dense runs."
 )
 
+NO_GRADIENT_WARNING = (
+    "FlexiCache's sparse decode attention is not differentiable: gradients do not flow through the attention of "
+    "decode steps (the prompt's dense attention is differentiable). Use DynamicCache where gradients must pass "
+    "through decoded tokens, or decode under torch.no_grad()."
+)
+
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """Make ``device`` current for kernels that launch on the current CUDA device (Triton, FlashInfer): a layer
@@ -98,6 +104,8 @@ def flexicache_attention_forward(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     with on_device(query.device):  # kernels launch on the current CUDA device: make it this layer's
         if chunk.is_decode:
+            if query.requires_grad:
+                warn_once(NO_GRADIENT_WARNING, UserWarning, stacklevel=2)
             return layer.decode(chunk, query, scale), None
         real = real_tokens_of_chunk(attention_mask, chunk.logical_start, chunk.keys.shape[2])
         layer.commit(chunk, query, real_tokens=real)
