@@ -2,7 +2,8 @@
 the CPU, against the torch paths they replace. The GPU tests run the same kernels compiled (test_gpu_flashinfer.py).
 
 The interpreter must be switched on (``TRITON_INTERPRET=1``) before Triton is imported, so each check runs in a
-subprocess: this file is both the test module and the script it runs.
+subprocess: this file is both the test module and the script it runs (the longest check, ``step``, is run by
+``test_triton_interpreted_steps.py``).
 """
 
 from __future__ import annotations
@@ -52,10 +53,6 @@ def test_fused_rerank_matches_torch_rerank() -> None:
 
 def test_graph_path_replays_what_it_captured() -> None:
     run_interpreted("graph")
-
-
-def test_whole_step_graphs_replay_what_they_recorded() -> None:
-    run_interpreted("step")
 
 
 def test_caches_sharing_the_flashinfer_backend_interleave_graphed_steps() -> None:
