@@ -34,13 +34,6 @@ from flexicache.head_budgets import row_bounds, split_budget
 # Tiny tensors: intra-op threads only add hand-off latency (milliseconds per op on a busy 2-core runner).
 torch.set_num_threads(int(os.environ.get("FLEXICACHE_TEST_THREADS", "1")))
 
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The interpreted Triton checks first: the two longest files (minutes each, in subprocesses), so that each of
-    the two test workers (pytest-xdist hands out the first files in turn) starts one of them."""
-    items.sort(key=lambda item: not item.path.name.startswith("test_triton_interpreted"))
-
-
 settings.register_profile(
     "core", max_examples=int(os.environ.get("FLEXICACHE_HYPOTHESIS_EXAMPLES", "40")), deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True,
