@@ -299,12 +299,17 @@ def test_a_failure_while_the_parked_chunks_are_stored_is_refused_until_a_reset(
 
 def test_a_model_running_fewer_layers_than_the_cache_has_is_refused_at_its_next_forward() -> None:
     """The split waits for the cache's last paged layer: a cache made for a deeper model stores nothing, and the
-    next forward raises instead of decoding without the prompt."""
+    next forward raises instead of decoding without the prompt, naming the likely cause (with a profile too)."""
     model = tiny_model(tiny_config(group=2, num_kv_heads=2, num_layers=2), seed=16)
     model.set_attn_implementation("flexicache")
     cache = FlexiCache(tiny_config(group=2, num_kv_heads=2, num_layers=3), token_budget=32, page_size=8)
-    with pytest.raises(RuntimeError, match=r"layers \[0, 1\] parked.*of the cache's 3 paged layers"):
+    deeper = r"If this model's last layer is layer 1, the cache was built for a deeper model.*from_model\(model\)"
+    with pytest.raises(RuntimeError, match=r"layers \[0, 1\] parked.*of the cache's 3 paged layers.*" + deeper):
         greedy(model, random_prompt(100, seed=17).view(1, -1), cache, max_new_tokens=3)
+    with_profile = FlexiCache(tiny_config(group=2, num_kv_heads=2, num_layers=3), token_budget=32, page_size=8,
+                              profile="default")
+    with pytest.raises(RuntimeError, match=r"layers \[2\] did not store the last chunk.*" + deeper):
+        greedy(model, random_prompt(100, seed=17).view(1, -1), with_profile, max_new_tokens=3)
 
 
 def test_profile_default_keeps_the_default_profile_and_a_first_single_token_falls_back_to_it() -> None:

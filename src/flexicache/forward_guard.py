@@ -66,7 +66,8 @@ def begin_forward(cache: thread_claims.Claimant, layers: Sequence[PagedLayer], s
         parked = head_split.abandon()
         raise RuntimeError(INTERRUPTED.format(
             where=f"layers {parked} parked their first prompt chunk for the head split, which the last of the "
-                  f"cache's {head_split.num_layers} paged layers decides and stores"))
+                  f"cache's {head_split.num_layers} paged layers decides and stores")
+            + deeper_cache_hint(layers, parked))
     shared = {device: backend for device, backend in backends.items() if isinstance(backend, PreparedBackend)}
     if shared:
         thread_claims.claim(cache, shared.values(), ", ".join(str(device) for device in shared))
@@ -90,7 +91,20 @@ def check_in_step(layers: Sequence[PagedLayer], sequence: SequenceState, failure
         raise RuntimeError(INTERRUPTED.format(where=f"a decode step run as a CUDA graph failed: {failure}"))
     behind = [layer.layer_idx for layer in layers if layer.num_chunks != sequence.num_chunks]
     if behind:
-        raise RuntimeError(INTERRUPTED.format(where=f"layers {behind} did not store the last chunk"))
+        reached = [layer.layer_idx for layer in layers if layer.num_chunks > 0]
+        raise RuntimeError(INTERRUPTED.format(where=f"layers {behind} did not store the last chunk")
+                           + deeper_cache_hint(layers, reached))
+
+
+def deeper_cache_hint(layers: Sequence[PagedLayer], reached: list[int]) -> str:
+    """The likelier cause when a first forward reached only the first of the cache's paged layers (``reached``, layer
+    indices): a model shallower than the config the cache was built from (its forward raised nothing)."""
+    indices = [layer.layer_idx for layer in layers]
+    if not reached or reached != indices[:len(reached)] or len(reached) == len(indices):
+        return ""
+    return (f" If this model's last layer is layer {reached[-1]}, the cache was built for a deeper model (its paged "
+            f"layers run to layer {indices[-1]}): build it from this model's config, e.g. "
+            f"FlexiCache.from_model(model).")
 
 
 def check_host_demand(layers: Sequence[PagedLayer], sequence: SequenceState, key_states: torch.Tensor) -> None:
