@@ -218,6 +218,12 @@ for model in ${models[@]}; do
                 --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,rerank_interval=8 \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-rerank-interval-online"
+            # the same, at most K/4 pages promoted per rerank
+            python -m flexicache.cli eval --device cpu --no-progress --model qwen2.5-coder --suite ppl --page-size 8 \
+                --profile online \
+                --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,rerank_interval=8,max_promotions=8 \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/qwen2.5-coder-ppl-2k-rerank-interval-promotions-online"
             eval_cpu --model qwen2.5-coder --suite lcc --page-size 8 --profile online \
                 --method budget=320,exact_rescore=true,standby_pages=40,head_budgets=prompt,exact_candidates=3 \
                 budget=160,exact_rescore=true,standby_pages=20,head_budgets=prompt,exact_candidates=3 \
@@ -575,6 +581,15 @@ PY
                 --page-size 8 --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_interval=8 \
                 budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_interval=4 \
                 --out "$root/levers/ppl-1.5k-replicate-rerank-interval-online"
+            echo "+ levers: the stable heads' reranks every 8 steps with at most K/4 pages promoted each, the defaults"
+            python -m flexicache.cli eval --device cpu --no-progress --model smollm2 --suite ppl \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --profile online \
+                --page-size 8 --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_interval=8,max_promotions=6 \
+                --out "$root/levers/ppl-1.5k-rerank-interval-promotions-online"
+            python -m flexicache.cli eval --device cpu --no-progress --model smollm2 --suite ppl \
+                --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --profile online \
+                --page-size 8 --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_interval=8,max_promotions=6 \
+                --out "$root/levers/ppl-1.5k-replicate-rerank-interval-promotions-online"
             echo "+ levers: 2K standby pages per stable head (standby_pages=48 at budget 192), the defaults otherwise"
             eval_cpu --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
                 --context-length 1536 --prefill 1024 --profile online \
