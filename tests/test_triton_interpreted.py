@@ -863,10 +863,11 @@ def patch_language_once_per_launch() -> None:
     on, change nothing."""
     from triton.runtime import interpreter
 
-    patch_lang, launch = getattr(interpreter, "_patch_lang", None), getattr(interpreter.GridExecutor, "__call__", None)
+    patch_lang, executor = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "GridExecutor", None)
     scope = getattr(interpreter, "_LangPatchScope", None)
-    if patch_lang is None or launch is None or scope is None:
+    if patch_lang is None or executor is None or scope is None:
         return
+    launch = executor.__call__
     patched: set[int] = set()  # the globals of the modules this launch patched the language for
 
     def patch_once(fn):
@@ -883,7 +884,7 @@ def patch_language_once_per_launch() -> None:
             patched.clear()
 
     interpreter._patch_lang = patch_once
-    interpreter.GridExecutor.__call__ = launch_patching_once
+    executor.__call__ = launch_patching_once
 
 
 if __name__ == "__main__":
