@@ -15,18 +15,20 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 stdlib=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 
 # flexicache eval on the CPU; --exact-rescore false --standby-pages quarter --exact-candidates 2 --head-budgets
-# uniform: the folders' own rows choose pages by box scores, keep K // 4 pages on standby and give every head K pages
-# (rows with exact_rescore=true, K standby pages, spelled standby_pages=budget/8 at 8-token pages,
-# exact_candidates=3 and head_budgets=prompt are the library's defaults; rows without exact_candidates choose among
-# 2K candidates, rows without head_budgets give every head K pages)
+# uniform --split-score overlap: the folders' own rows choose pages by box scores, keep K // 4 pages on standby, give
+# every head K pages and (without a profile) rank the heads by page overlap (rows with exact_rescore=true, K standby
+# pages, spelled standby_pages=budget/8 at 8-token pages, exact_candidates=3, head_budgets=prompt and
+# split_score=staleness are the library's defaults; rows without exact_candidates choose among 2K candidates, rows
+# without head_budgets give every head K pages, rows without split_score rank by page overlap)
 eval_cpu() {
     python -m flexicache.cli eval --device cpu --no-progress --exact-rescore false --standby-pages quarter \
-        --exact-candidates 2 --head-budgets uniform "$@"
+        --exact-candidates 2 --head-budgets uniform --split-score overlap "$@"
 }
 
 # the same without the box-score pins: folders whose rows keep the library's exact rescoring and standby pages
 eval_cpu_exact() {
-    python -m flexicache.cli eval --device cpu --no-progress --exact-candidates 2 --head-budgets uniform "$@"
+    python -m flexicache.cli eval --device cpu --no-progress --exact-candidates 2 --head-budgets uniform \
+        --split-score overlap "$@"
 }
 
 # eval MODEL OUT BUDGET... [SPEC...] -- ARGS: one folder at 16-token pages without standby pages (the paper's page
@@ -213,13 +215,13 @@ for model in ${models[@]}; do
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-every-head-unstable"
             # the stable heads reranked every 8 steps, the defaults otherwise
-            python -m flexicache.cli eval --device cpu --no-progress --model qwen2.5-coder --suite ppl --page-size 8 \
+            python -m flexicache.cli eval --device cpu --no-progress --split-score overlap --model qwen2.5-coder --suite ppl --page-size 8 \
                 --profile online \
                 --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,rerank_interval=8 \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-rerank-interval-online"
             # the same, at most K/4 pages promoted per rerank
-            python -m flexicache.cli eval --device cpu --no-progress --model qwen2.5-coder --suite ppl --page-size 8 \
+            python -m flexicache.cli eval --device cpu --no-progress --split-score overlap --model qwen2.5-coder --suite ppl --page-size 8 \
                 --profile online \
                 --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,rerank_interval=8,max_promotions=8 \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
@@ -570,23 +572,23 @@ PY
                 budget=96,exact_rescore=true,standby_pages=12,head_budgets=prompt,exact_candidates=3,unstable_fraction=0.5 \
                 --out "$root/levers/ppl-1.5k-replicate-unstable-fraction"
             echo "+ levers: the stable heads' reranks every 8 and 4 steps, and every step for the first 64, the defaults"
-            python -m flexicache.cli eval --device cpu --no-progress --model smollm2 --suite ppl \
+            python -m flexicache.cli eval --device cpu --no-progress --split-score overlap --model smollm2 --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --profile online \
                 --page-size 8 --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_interval=8 \
                 budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_interval=4 \
                 budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_warmup=64 \
                 --out "$root/levers/ppl-1.5k-rerank-interval-online"
-            python -m flexicache.cli eval --device cpu --no-progress --model smollm2 --suite ppl \
+            python -m flexicache.cli eval --device cpu --no-progress --split-score overlap --model smollm2 --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --profile online \
                 --page-size 8 --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_interval=8 \
                 budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_interval=4 \
                 --out "$root/levers/ppl-1.5k-replicate-rerank-interval-online"
             echo "+ levers: the stable heads' reranks every 8 steps with at most K/4 pages promoted each, the defaults"
-            python -m flexicache.cli eval --device cpu --no-progress --model smollm2 --suite ppl \
+            python -m flexicache.cli eval --device cpu --no-progress --split-score overlap --model smollm2 --suite ppl \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 1536 --prefill 1024 --profile online \
                 --page-size 8 --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_interval=8,max_promotions=6 \
                 --out "$root/levers/ppl-1.5k-rerank-interval-promotions-online"
-            python -m flexicache.cli eval --device cpu --no-progress --model smollm2 --suite ppl \
+            python -m flexicache.cli eval --device cpu --no-progress --split-score overlap --model smollm2 --suite ppl \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 1536 --prefill 1024 --profile online \
                 --page-size 8 --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,rerank_interval=8,max_promotions=6 \
                 --out "$root/levers/ppl-1.5k-replicate-rerank-interval-promotions-online"

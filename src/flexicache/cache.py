@@ -66,8 +66,8 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
             (``unstable_fraction`` of all) estimated from the prompt at the first prefill
             (:mod:`flexicache.head_split`); ``"default"``: :meth:`HeadProfile.default`.
         token_budget, page_size, rerank_interval, rerank_warmup, max_promotions, standby_pages, group_reduce,
-            spread_weight, principal_bounds, exact_rescore, exact_candidates, head_budgets, unstable_fraction, backend,
-            cuda_graphs, max_cache_len, host_dtype: see :class:`FlexiCacheConfig`.
+            spread_weight, principal_bounds, exact_rescore, exact_candidates, head_budgets, unstable_fraction, split_score,
+            backend, cuda_graphs, max_cache_len, host_dtype: see :class:`FlexiCacheConfig`.
     """
 
     def __init__(self, config: Any, profile: HeadProfile | str | os.PathLike | None = None, token_budget: int = 2048,
@@ -75,7 +75,8 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
                  max_promotions: int | None = None, standby_pages: int | str = "auto", group_reduce: str = "max",
                  spread_weight: float = 0.5, principal_bounds: bool = True, exact_rescore: bool = True,
                  exact_candidates: int = 3, head_budgets: str = "prompt",
-                 unstable_fraction: float = DEFAULT_UNSTABLE_FRACTION, backend: str = "auto",
+                 unstable_fraction: float = DEFAULT_UNSTABLE_FRACTION, split_score: str = "staleness",
+                 backend: str = "auto",
                  cuda_graphs: bool = True, max_cache_len: int | None = None, host_dtype: str = "auto") -> None:
         self.settings = FlexiCacheConfig(token_budget=token_budget, page_size=page_size,
                                          rerank_interval=rerank_interval, rerank_warmup=rerank_warmup,
@@ -83,7 +84,8 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
                                          group_reduce=group_reduce, spread_weight=spread_weight,
                                          principal_bounds=principal_bounds, exact_rescore=exact_rescore,
                                          exact_candidates=exact_candidates, head_budgets=head_budgets,
-                                         unstable_fraction=unstable_fraction, backend=backend,
+                                         unstable_fraction=unstable_fraction, split_score=split_score,
+                                         backend=backend,
                                          cuda_graphs=cuda_graphs, max_cache_len=max_cache_len, host_dtype=host_dtype)
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"config must be the model's config (model.config), got {type(config).__name__}; "
@@ -101,6 +103,10 @@ class FlexiCache(DynamicCache, SupportsStepGraphs):
             raise ValueError(f"unstable_fraction={unstable_fraction!r} sets the share of the online head split "
                              "(profile=None); a profile lists its own unstable heads. Pass profile=None, or profile "
                              "the model with `flexicache profile --fraction` for a profile of that share.")
+        if not online and self.settings.split_score != FlexiCacheConfig.split_score:
+            raise ValueError(f"split_score={split_score!r} sets how the online head split (profile=None) ranks the "
+                             "heads; a profile lists its own unstable heads. Pass profile=None, or leave split_score "
+                             "out.")
         self.profile = resolve_profile(None if online else profile, config)  # with online: where a prompt cannot tell
         kinds = layer_kinds(config)
         self.head_split = OnlineHeadSplit(sum(kind.sparse for kind in kinds)) if online else None

@@ -12,6 +12,7 @@ BackendName = Literal["auto", "reference", "flashinfer"]
 HostDtypeName = Literal["auto", "float8_e4m3fn"]
 StandbyName = Literal["auto", "quarter"]
 HeadBudgetsName = Literal["uniform", "prompt"]
+SplitScoreName = Literal["staleness", "overlap"]
 STANDBY_NAMES: tuple[str, ...] = get_args(StandbyName)  # standby_pages spelled as a share of K
 PROMPT_TAIL_QUERIES = 64  # prompt-tail queries the online head split and the prompt's page split read
 MAX_EXACT_CANDIDATES = 8  # an unstable head's exact-rescoring candidates, in multiples of K
@@ -84,6 +85,14 @@ class FlexiCacheConfig:
             1.010; eval/RESULTS.md). Gemma-3-270M with all three paged heads unstable gave 1.005 and 1.002 of dense on
             its two pairs of files, against 1.008 and 1.043 with two. A cache with a fixed profile takes the profile's
             heads (``flexicache profile --fraction`` sets its share).
+        split_score: how the online head split (``profile=None``) ranks the heads. ``"staleness"`` (the default,
+            beyond the paper): by what each head would gain from being unstable, the true attention mass of the prompt
+            tail's queries that a stable head's working set gone stale misses and an unstable head's fresh choice holds
+            (:mod:`flexicache.profiling.staleness`): SmolLM2 perplexity 1.013 and 1.021 of dense at 1/8 against
+            ``"overlap"``'s 1.023 and 1.018 (1.040 and 1.068 against 1.057 and 1.070 at 1/16), Qwen2.5-Coder 1.015
+            and 1.011 against 1.015 and 1.010 (eval/RESULTS.md). ``"overlap"``: by how much each head's top-K pages
+            change between neighbouring tail queries (:func:`~flexicache.profiling.online.prompt_stability`, the
+            paper's measure, which the offline profiler uses).
         backend: decode kernel: ``"auto"`` (FlashInfer on CUDA when installed, else the torch reference),
             ``"reference"`` or ``"flashinfer"``.
         cuda_graphs: on the CUDA + FlashInfer path, capture each layer's decode step (token append, scoring,
@@ -116,6 +125,7 @@ class FlexiCacheConfig:
     exact_candidates: int = 3
     head_budgets: HeadBudgetsName = "prompt"
     unstable_fraction: float = DEFAULT_UNSTABLE_FRACTION
+    split_score: SplitScoreName = "staleness"
     backend: BackendName = "auto"
     cuda_graphs: bool = True
     max_cache_len: int | None = None
@@ -180,6 +190,9 @@ class FlexiCacheConfig:
             raise ValueError(f"unstable_fraction must be a number in (0, 1] (the share of heads the online split makes "
                              f"unstable; 0.25 by default), got {self.unstable_fraction!r}.")
         object.__setattr__(self, "unstable_fraction", float(self.unstable_fraction))
+        if not isinstance(self.split_score, str) or self.split_score not in get_args(SplitScoreName):
+            raise ValueError(f"split_score must be 'staleness' (what a head gains from being unstable) or 'overlap' "
+                             f"(how much its top pages change), got {self.split_score!r}.")
         if not isinstance(self.backend, str) or self.backend not in get_args(BackendName):
             raise ValueError(f"backend must be 'auto', 'reference' or 'flashinfer', got {self.backend!r}.")
         if not isinstance(self.cuda_graphs, bool):

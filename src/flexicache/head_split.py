@@ -2,13 +2,15 @@
 behaviour without a profile).
 
 A cache without a measured :class:`~flexicache.profile.HeadProfile` decides its unstable heads from its first prompt
-forward. In each sparse layer the last :data:`WINDOW` prompt positions are treated as decode steps, and the stability
-of each head's top-K page sets between neighbouring positions (:func:`flexicache.profiling.online.prompt_stability`,
-the offline profiler's measure, with the pages scored by the cache's ``spread_weight`` in the model's axes) scores the
-heads. The heads of lowest score, the cache's ``unstable_fraction`` of the scored heads (a quarter by default)
-wherever they are in the model (as the offline profiler ranks them) but never fewer than :meth:`HeadProfile.default`
-makes unstable, become unstable. A model with fewer than :data:`MIN_SPLIT_HEADS` paged heads keeps them all
-unstable: Gemma-3-270M (one global layer in six, one KV head each: three paged heads) with two unstable, the default
+forward. In each sparse layer the last :data:`WINDOW` prompt positions are treated as decode steps, and each head
+gets a score (the cache's ``split_score``): by default the attention mass it would lose as a stable head, its working
+set going stale between reranks, against what it would lose as an unstable head
+(:func:`flexicache.profiling.staleness.prompt_staleness_gain`, negated); with ``"overlap"`` the stability of its top-K
+page sets between neighbouring positions (:func:`flexicache.profiling.online.prompt_stability`, the offline profiler's
+measure). Pages are scored by the cache's ``spread_weight`` in the model's axes. The heads of lowest score, the
+cache's ``unstable_fraction`` of the scored heads (a quarter by default) wherever they are in the model (as the
+offline profiler ranks them) but never fewer than :meth:`HeadProfile.default` makes unstable, become
+unstable. A model with fewer than :data:`MIN_SPLIT_HEADS` paged heads keeps them all unstable: Gemma-3-270M (one global layer in six, one KV head each: three paged heads) with two unstable, the default
 profile's floor, was 1.008 and 1.043 of dense perplexity at 1/8 on two pairs of files (the prompt kept the middle
 global layer's head stable on ``dataclasses.py``, where its working set went stale: 1.085), with all three 1.005 and
 1.002 (eval/RESULTS.md); the one stable head would have saved a third of 3 KiB of bf16 KV per token.
@@ -41,6 +43,7 @@ import torch
 from flexicache.config import PROMPT_TAIL_QUERIES, FlexiCacheConfig
 from flexicache.handoff import StagedChunk
 from flexicache.profiling.online import prompt_stability
+from flexicache.profiling.staleness import prompt_staleness_gain
 from flexicache.profiling.stability import lowest_count
 
 WINDOW = PROMPT_TAIL_QUERIES  # prompt-tail query positions the estimate reads (those the page split reads)
@@ -180,9 +183,16 @@ def request_stability(query: torch.Tensor, keys: torch.Tensor, real_tokens: torc
 
 
 def _stability(query: torch.Tensor, keys: torch.Tensor, settings: FlexiCacheConfig) -> torch.Tensor:
-    """``[B, H]`` :func:`~flexicache.profiling.online.prompt_stability` of requests without padding."""
+    """``[B, H]`` stability of requests without padding (lower: unstable first): with ``split_score="staleness"``
+    the negated :func:`~flexicache.profiling.staleness.prompt_staleness_gain`, with ``"overlap"``
+    :func:`~flexicache.profiling.online.prompt_stability`."""
     if keys.shape[2] < 2:
         return torch.full(keys.shape[:2], float("nan"), device=keys.device)
     window = min(WINDOW, query.shape[2])
+    if settings.split_score == "staleness":
+        return -prompt_staleness_gain(query[:, :, -window:], keys, settings.pages_per_head,
+                                      settings.num_standby_pages, settings.candidate_pages, settings.page_size,
+                                      settings.rerank_interval, group_reduce=settings.group_reduce,
+                                      spread_weight=settings.spread_weight)
     return prompt_stability(query[:, :, -window:].float(), keys, settings.token_budget, settings.page_size,
                             MAX_DISTANCE, settings.group_reduce, settings.spread_weight)

@@ -21,8 +21,8 @@ from .methods import SETTINGS_BEFORE_RECORDED
 SUITES = ("longbench", "leval", "synthetic", "ppl", "lcc")
 # settings that change what a stored prediction means: resuming with other values is refused
 IDENTITY = ("suite", "model", "gguf_file", "context_length", "decode_tail", "chat", "seed", "page_size",
-            "rerank_interval", "standby_pages", "exact_rescore", "exact_candidates", "head_budgets", "profile",
-            "prefill", "max_new_tokens", "dtype", "data", "stop_strings")
+            "rerank_interval", "standby_pages", "exact_rescore", "exact_candidates", "head_budgets", "split_score",
+            "profile", "prefill", "max_new_tokens", "dtype", "data", "stop_strings")
 # identity settings added later: a folder that does not record them ran with SETTINGS_BEFORE_RECORDED's values
 # suites whose samples depend on the sample count (passkey spreads its needle depths over --limit samples)
 IDENTITY_BY_SUITE = {"synthetic": ("limit",)}
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="more FlexiCache rows, each a comma-separated list of settings, e.g. "
                              "token_budget=256,page_size=8 or budget=512,group_reduce=sum,profile=my.json (settings "
                              "left out: --page-size, --rerank-interval, --standby-pages, --exact-rescore, "
-                             "--exact-candidates, --head-budgets, --profile); "
+                             "--exact-candidates, --head-budgets, --split-score, --profile); "
                              "named flexicache@256,page_size=8")
     parser.add_argument("--oracle", action="store_true",
                         help="also an oracle row per --budget: the pages holding the most true attention mass at "
@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-budgets", choices=["uniform", "prompt"],
                         help="pages per head: the same K for every head, or each request's split across a layer's "
                              "heads at the prompt (default: FlexiCache's)")
+    parser.add_argument("--split-score", choices=["staleness", "overlap"],
+                        help="how the online head split (--profile online) ranks the heads: by what each would gain "
+                             "from being unstable, or by how much its top pages change (default: FlexiCache's)")
     parser.add_argument("--data", nargs="*", default=None,
                         help="longbench/lcc: folders with data/*.jsonl, JSONL files or zip archives of them "
                              "(longbench without it: the hub's data.zip); leval: L-Eval JSONL files or archives "
@@ -127,7 +130,8 @@ def _fill_cache_defaults(args: argparse.Namespace) -> None:
     to the values its rows ran with)."""
     from flexicache.config import FlexiCacheConfig
 
-    for name in ("page_size", "rerank_interval", "standby_pages", "exact_rescore", "exact_candidates", "head_budgets"):
+    for name in ("page_size", "rerank_interval", "standby_pages", "exact_rescore", "exact_candidates", "head_budgets",
+                 "split_score"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(FlexiCacheConfig, name))
 

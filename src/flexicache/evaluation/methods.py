@@ -20,7 +20,9 @@ from flexicache.setting_specs import parse_settings
 REFERENCE = "dense"
 # FlexiCache settings added after results were stored, with the value those rows ran with: a row's recorded settings
 # leave a setting out at that value (so stored rows keep matching), while its cache still gets the value explicitly
-SETTINGS_BEFORE_RECORDED: dict[str, Any] = {"exact_candidates": 2, "head_budgets": "uniform"}
+SETTINGS_BEFORE_RECORDED: dict[str, Any] = {"exact_candidates": 2, "head_budgets": "uniform",
+                                            "split_score": "overlap"}
+ONLINE_ONLY = ("split_score",)  # settings of the online head split: a row with a profile leaves them out
 
 
 class CacheMethod(Protocol):
@@ -88,11 +90,19 @@ class FlexiCacheMethod:
     def make_cache(self) -> Any:
         from flexicache import FlexiCache
 
-        return FlexiCache.from_model(self.model, profile=self.profile, **self.options)
+        return FlexiCache.from_model(self.model, profile=self.profile, **self.cache_options)
+
+    @property
+    def cache_options(self) -> dict[str, Any]:
+        """:attr:`options` less the online split's settings where the row has a profile."""
+        from flexicache.profile import is_online_profile
+
+        online = is_online_profile(self.profile)
+        return {key: value for key, value in self.options.items() if online or key not in ONLINE_ONLY}
 
     @property
     def settings(self) -> dict[str, Any]:
-        recorded = {key: value for key, value in self.options.items()
+        recorded = {key: value for key, value in self.cache_options.items()
                     if key not in SETTINGS_BEFORE_RECORDED or value != SETTINGS_BEFORE_RECORDED[key]}
         return {"kind": "flexicache", "profile": self.profile_name, **recorded}
 
