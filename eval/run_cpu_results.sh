@@ -200,6 +200,15 @@ for model in ${models[@]}; do
                 --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3 \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-replicate-candidates-online"
+            # the defaults: the online split ranking heads by what staleness costs them (split_score=staleness)
+            eval_cpu_exact --model qwen2.5-coder --suite ppl --page-size 8 --profile online \
+                --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/qwen2.5-coder-ppl-2k-staleness-online"
+            eval_cpu_exact --model qwen2.5-coder --suite ppl --page-size 8 --profile online \
+                --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/qwen2.5-coder-ppl-2k-replicate-staleness-online"
             # half the heads unstable (unstable_fraction=0.5), the defaults otherwise
             eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 --profile online \
                 --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,unstable_fraction=0.5 \
@@ -558,6 +567,18 @@ PY
                 --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3 \
                 budget=96,exact_rescore=true,standby_pages=12,head_budgets=prompt,exact_candidates=3 \
                 --out "$root/levers/ppl-1.5k-replicate-candidates-online"
+            echo "+ levers: the online split ranking heads by what staleness costs them (split_score=staleness,"
+            echo "  the defaults), no profile"
+            eval_cpu --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
+                --context-length 1536 --prefill 1024 --profile online \
+                --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                budget=96,exact_rescore=true,standby_pages=12,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                --out "$root/levers/ppl-1.5k-staleness-online"
+            eval_cpu --model smollm2 --suite ppl --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" \
+                --context-length 1536 --prefill 1024 --profile online \
+                --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                budget=96,exact_rescore=true,standby_pages=12,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                --out "$root/levers/ppl-1.5k-replicate-staleness-online"
             echo "+ levers: the share of heads the online split makes unstable (unstable_fraction), the defaults"
             eval_cpu --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
                 --context-length 1536 --prefill 1024 --profile online \

@@ -138,35 +138,39 @@ def test_a_parked_chunk_owns_its_storage(monkeypatch: pytest.MonkeyPatch) -> Non
     assert torch.equal(parked.real_tokens, mask) and parked.real_tokens.untyped_storage().nbytes() == 5
 
 
+@pytest.mark.parametrize("score", ["staleness", "overlap"])
 @pytest.mark.parametrize("where", ["left", "right", "middle"])
-def test_a_padded_request_is_estimated_over_its_real_tokens_alone(where: str) -> None:
+def test_a_padded_request_is_estimated_over_its_real_tokens_alone(where: str, score: str) -> None:
+    settings = FlexiCacheConfig(token_budget=32, page_size=16, split_score=score)
     generator = torch.Generator().manual_seed(3)
     keys, query = torch.randn(1, 2, 200, 8, generator=generator), torch.randn(1, 4, 200, 8, generator=generator)
     pad = {"left": slice(0, 40), "right": slice(160, 200), "middle": slice(80, 120)}[where]
     real = torch.ones(2, 200, dtype=torch.bool)
     real[1, pad] = False
-    batch = head_split.request_stability(query.expand(2, -1, -1, -1), keys.expand(2, -1, -1, -1), real, SETTINGS)
-    torch.testing.assert_close(batch[0], head_split.request_stability(query, keys, None, SETTINGS)[0])
-    alone = head_split.request_stability(query[:, :, real[1]], keys[:, :, real[1]], None, SETTINGS)[0]
+    batch = head_split.request_stability(query.expand(2, -1, -1, -1), keys.expand(2, -1, -1, -1), real, settings)
+    torch.testing.assert_close(batch[0], head_split.request_stability(query, keys, None, settings)[0])
+    alone = head_split.request_stability(query[:, :, real[1]], keys[:, :, real[1]], None, settings)[0]
     torch.testing.assert_close(batch[1], alone)
     assert not torch.allclose(batch[0], batch[1])
 
 
-def test_the_estimate_of_a_real_prompt_scores_every_head_of_a_long_enough_one() -> None:
+@pytest.mark.parametrize("score", ["staleness", "overlap"])
+def test_the_estimate_of_a_real_prompt_scores_every_head_of_a_long_enough_one(score: str) -> None:
+    settings = FlexiCacheConfig(token_budget=32, page_size=16, split_score=score)
     generator = torch.Generator().manual_seed(0)
     keys, query = torch.randn(2, 2, 256, 8, generator=generator), torch.randn(2, 4, 256, 8, generator=generator)
-    scores = head_split.request_stability(query, keys, None, SETTINGS)
+    scores = head_split.request_stability(query, keys, None, settings)
     assert scores.shape == (2, 2) and bool(torch.isfinite(scores).all())
     for request in range(2):  # the batch at once: each request as alone
         torch.testing.assert_close(scores[request], head_split.request_stability(
-            query[request:request + 1], keys[request:request + 1], None, SETTINGS)[0])
-    short = head_split.request_stability(query[:, :, :20], keys[:, :, :20], None, SETTINGS)
+            query[request:request + 1], keys[request:request + 1], None, settings)[0])
+    short = head_split.request_stability(query[:, :, :20], keys[:, :, :20], None, settings)
     assert bool(torch.isnan(short).all())  # 2 pages, a budget of 2 pages: every page is always selected
     padded = torch.ones(2, 256, dtype=torch.bool)
     padded[0, :100] = False  # left padding: only the last 156 tokens of request 0 count
-    both = head_split.request_stability(query, keys, padded, SETTINGS)
+    both = head_split.request_stability(query, keys, padded, settings)
     torch.testing.assert_close(both[0], head_split.request_stability(query[:1, :, 100:], keys[:1, :, 100:], None,
-                                                                     SETTINGS)[0])
+                                                                     settings)[0])
     torch.testing.assert_close(both[1], scores[1])
 
 
