@@ -108,6 +108,8 @@ def main() -> None:
     parser.add_argument("--online-split", action="store_true",
                         help="no profile: the unstable heads estimated from the prompt over every layer "
                              "(the library's default)")
+    parser.add_argument("--split-score", default=FlexiCacheConfig.split_score, choices=["staleness", "overlap"],
+                        help="with --online-split: how the heads are ranked (the split's park is a timed part)")
     parser.add_argument("--head-budgets", default=FlexiCacheConfig.head_budgets, choices=["uniform", "prompt"],
                         help="pages per head: K each, or split at the prompt (its page gains are a timed part)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -125,11 +127,12 @@ def main() -> None:
     profile = None if args.online_split else random_profile(Shape.of(config), args.unstable_fraction)
     settings = {"profile": profile, "token_budget": args.budget,
                 "max_cache_len": args.context + 1, "backend": "auto" if device.type == "cuda" else "reference",
-                "principal_bounds": not args.no_principal_bounds, "head_budgets": args.head_budgets}
+                "principal_bounds": not args.no_principal_bounds, "head_budgets": args.head_budgets,
+                **({"split_score": args.split_score} if args.online_split else {})}
     ids = random_ids(args.batch, args.context, config.vocab_size, device, seed=1)
     print(f"{args.shape}, {args.layers} layers, batch {args.batch} x {args.context} tokens, budget {args.budget}, "
           f"principal_bounds={settings['principal_bounds']}, head_budgets={args.head_budgets}, "
-          f"{'online head split' if args.online_split else 'random profile'}", flush=True)
+          f"{f'online head split by {args.split_score}' if args.online_split else 'random profile'}", flush=True)
     model.set_attn_implementation("sdpa")
     dense = [prefill_seconds(model, ids, DynamicCache(config=config)) for _ in range(args.repeats)]
     print("DynamicCache + sdpa: " + ", ".join(f"{s:.3f} s" for s in dense), flush=True)
@@ -153,7 +156,8 @@ def main() -> None:
             "shape": args.shape, "layers": args.layers, "context": args.context, "batch": args.batch,
             "budget": args.budget, "principal_bounds": settings["principal_bounds"], "head_budgets": args.head_budgets,
             "eigendecompositions": "torch.linalg.eigh" if args.eigh else "key_basis.symmetric_eigenvectors",
-            "head_split": "online" if args.online_split else f"random, {args.unstable_fraction} unstable",
+            "head_split": (f"online, {args.split_score}" if args.online_split
+                           else f"random, {args.unstable_fraction} unstable"),
             "dynamic_cache_s": dense, "flexicache_s": flexi,
             "timed_total_s": timed_total, "parts_s": {label.strip(): totals[label] for label, _, _ in PARTS},
             "calls": {label.strip(): calls[label] for label, _, _ in PARTS},
