@@ -73,11 +73,11 @@ def prompt_staleness_gain(
     starts = torch.arange(0, window - horizon + 1, every, device=key.device)  # [S] rerank positions
     steps = starts.view(-1, 1) + torch.arange(horizon, device=key.device)  # [S, h]
     filled_since = (pages >= full[starts].view(-1, 1, 1)) & valid[steps]  # [S, h, P]
-    kmin, kmax = page_bounds(key.float(), page_size)  # [B, H, P, D]
     gains = []
-    for request in range(batch):
+    for request in range(batch):  # one request's fp32 copies at a time
+        kmin, kmax = (bound.float() for bound in page_bounds(key[request], page_size))  # [H, P, D], exact
         mass = _tail_page_mass(query[request].float(), key[request].float(), positions, page_size)  # [H, W, P]
-        box = _tail_box_scores(query[request].float(), kmin[request], kmax[request], group_reduce, spread_weight)
+        box = _tail_box_scores(query[request].float(), kmin, kmax, group_reduce, spread_weight)
         oracle = _top_mass(mass, valid, k)  # [H, W]
         unstable_loss = oracle - _top_mass(mass, _top_pages(box, valid, candidate_pages), k)
         working_set = _top_pages(box[:, starts], valid[starts], k + standby_pages)  # [H, S, P]
