@@ -647,11 +647,6 @@ PY
                 --method budget=512,exact_rescore=true,standby_pages=64,head_budgets=prompt,exact_candidates=3,split_score=staleness \
                 budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,split_score=staleness \
                 --out "$root/levers/synthetic-4k-staleness-online"
-            eval_cpu --model smollm2 --suite ppl --page-size 8 --profile online \
-                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 3072 --prefill 1024 \
-                --method budget=384,exact_rescore=true,standby_pages=48,head_budgets=prompt,exact_candidates=3,split_score=staleness \
-                budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,split_score=staleness \
-                --out "$root/levers/ppl-3k-decode-2k-staleness-online"
             eval_cpu --model smollm2 --suite synthetic --profile online \
                 --tasks passkey niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 \
                 --method budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 \
