@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from flexicache.config import PROMPT_TAIL_QUERIES, FlexiCacheConfig
+from flexicache.profiling.pages import QUERY_BLOCK, page_attention_mass
 
 WINDOW = PROMPT_TAIL_QUERIES  # prompt-tail queries whose attention the split reads
-QUERY_BLOCK = 16  # window queries per attention block (bounds the [Hq, block, T] logits of a long prompt)
 
 
 def prompt_page_gains(query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.Tensor | None, page_size: int,
@@ -40,7 +40,6 @@ def prompt_page_gains(query: torch.Tensor, keys: torch.Tensor, real_tokens: torc
         real_tokens: ``[B, T]`` bool (``None``: all real; padding on the left).
     """
     batch, num_heads, length, head_dim = keys.shape
-    group = query.shape[1] // num_heads
     num_pages = -(-length // page_size)
     gains = torch.full((batch, num_heads, num_pages), float("-inf"), dtype=torch.float32, device=keys.device)
     real_counts = [length] * batch if real_tokens is None else real_tokens.sum(dim=1).tolist()
@@ -52,12 +51,8 @@ def prompt_page_gains(query: torch.Tensor, keys: torch.Tensor, real_tokens: torc
         positions = torch.arange(count - tail.shape[1], count, device=keys.device)
         mass = torch.zeros(num_heads, -(-count // page_size), dtype=torch.float32, device=keys.device)
         for start in range(0, tail.shape[1], QUERY_BLOCK):
-            block = tail[:, start:start + QUERY_BLOCK].view(num_heads, group, -1, head_dim)
-            logits = torch.einsum("hgwd,htd->hgwt", block, request_keys) * head_dim ** -0.5
-            future = torch.arange(count, device=keys.device) > positions[start:start + QUERY_BLOCK].view(-1, 1)
-            shares = logits.masked_fill(future, float("-inf")).softmax(dim=-1).mean(dim=1)  # [H, w, n]
-            padded = torch.nn.functional.pad(shares, (0, mass.shape[1] * page_size - count))
-            page_mass = padded.view(num_heads, -1, mass.shape[1], page_size).sum(dim=-1)  # [H, w, pages]
+            page_mass = page_attention_mass(tail[:, start:start + QUERY_BLOCK], request_keys,
+                                            positions[start:start + QUERY_BLOCK], page_size)  # [H, w, pages]
             mass += page_mass.sort(dim=-1, descending=True).values.sum(dim=1)
         gains[request, :, :mass.shape[1]] = mass / tail.shape[1]
     return gains

@@ -1,10 +1,13 @@
-"""Per-page element-wise key min / max (the metadata the Quest score needs), in one shot or kept up to date."""
+"""Per-page element-wise key min / max (the metadata the Quest score needs), in one shot or kept up to date, and the
+true attention mass per page of a block of queries (what the prompt's page split and the head split read)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+
+QUERY_BLOCK = 16  # queries per attention block (bounds the [Hq, block, T] logits of a long prompt)
 
 
 def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,6 +22,21 @@ def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
     low = torch.nn.functional.pad(keys, (0, 0, 0, pad), value=float("inf")).reshape(shape)
     high = torch.nn.functional.pad(keys, (0, 0, 0, pad), value=float("-inf")).reshape(shape)
     return low.amin(dim=-2), high.amax(dim=-2)
+
+
+def page_attention_mass(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
+                        page_size: int) -> torch.Tensor:
+    """``[H, w, P]`` float: each query's causal attention mass per page of ``key`` (each query head's softmax share
+    with the scale ``head_dim ** -0.5``, averaged over the GQA group), from ``query [Hq, w, D]`` at ``positions [w]``
+    and ``key [H, T, D]`` (pages of ``page_size`` from position 0; the last may be partial)."""
+    num_heads, length, head_dim = key.shape
+    num_pages = math.ceil(length / page_size)
+    block = query.reshape(num_heads, query.shape[0] // num_heads, -1, head_dim)
+    logits = torch.einsum("hgwd,htd->hgwt", block, key) * head_dim ** -0.5
+    future = torch.arange(length, device=key.device) > positions.view(-1, 1)
+    shares = logits.masked_fill(future, float("-inf")).softmax(dim=-1).mean(dim=1)  # [H, w, T]
+    padded = torch.nn.functional.pad(shares, (0, num_pages * page_size - length))
+    return padded.view(num_heads, -1, num_pages, page_size).sum(dim=-1)
 
 
 class PageBounds:

@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from flexicache.profiling.pages import page_bounds
+from flexicache.profiling.pages import QUERY_BLOCK, page_attention_mass, page_bounds
 from flexicache.selection import GroupReduce, box_scores, reduce_group
-
-QUERY_BLOCK = 16  # tail queries per attention block (bounds the [Hq, block, T] logits of a long prompt)
 
 
 def prompt_staleness_gain(
@@ -76,8 +74,11 @@ def prompt_staleness_gain(
     gains = []
     for request in range(batch):  # one request's fp32 copies at a time
         kmin, kmax = (bound.float() for bound in page_bounds(key[request], page_size))  # [H, P, D], exact
-        mass = _tail_page_mass(query[request].float(), key[request].float(), positions, page_size)  # [H, W, P]
-        box = _tail_box_scores(query[request].float(), kmin, kmax, group_reduce, spread_weight)
+        request_query, request_key = query[request].float(), key[request].float()
+        mass = torch.cat([page_attention_mass(request_query[:, start:start + QUERY_BLOCK], request_key,
+                                              positions[start:start + QUERY_BLOCK], page_size)
+                          for start in range(0, window, QUERY_BLOCK)], dim=1)  # [H, W, P]
+        box = _tail_box_scores(request_query, kmin, kmax, group_reduce, spread_weight)
         oracle = _top_mass(mass, valid, k)  # [H, W]
         unstable_loss = oracle - _top_mass(mass, _top_pages(box, valid, candidate_pages), k)
         working_set = _top_pages(box[:, starts], valid[starts], k + standby_pages)  # [H, S, P]
@@ -85,23 +86,6 @@ def prompt_staleness_gain(
         stable_loss = oracle[:, steps] - _top_mass(mass[:, steps], held, k)  # [H, S, h]
         gains.append(stable_loss.mean(dim=(1, 2)) - unstable_loss[:, steps].mean(dim=(1, 2)))
     return torch.stack(gains)
-
-
-def _tail_page_mass(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
-    """``[H, W, P]``: each tail query's causal attention mass per page (group-averaged shares), from ``query [Hq,
-    W, D]``, ``key [H, T, D]`` and the queries' ``positions [W]``."""
-    num_heads, length, head_dim = key.shape
-    group, window = query.shape[0] // num_heads, query.shape[1]
-    num_pages = -(-length // page_size)
-    blocks = []
-    for start in range(0, window, QUERY_BLOCK):
-        block = query[:, start:start + QUERY_BLOCK].reshape(num_heads, group, -1, head_dim)
-        logits = torch.einsum("hgwd,htd->hgwt", block, key) * head_dim ** -0.5
-        future = torch.arange(length, device=key.device) > positions[start:start + QUERY_BLOCK].view(-1, 1)
-        shares = logits.masked_fill(future, float("-inf")).softmax(dim=-1).mean(dim=1)  # [H, w, T]
-        padded = torch.nn.functional.pad(shares, (0, num_pages * page_size - length))
-        blocks.append(padded.view(num_heads, -1, num_pages, page_size).sum(dim=-1))
-    return torch.cat(blocks, dim=1)
 
 
 def _tail_box_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, group_reduce: GroupReduce,
