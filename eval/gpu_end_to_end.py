@@ -12,7 +12,8 @@ On a random-weight model of a real shape (``--shape``, all its layers by default
 
 FlexiCache runs without a profile (the library's default: the head split estimated from the prompt over every layer;
 ``--unstable-fraction F``: a random profile instead, ``--standby-pages quarter``: another standby setting,
-``--skip-dense``: only the FlexiCache rows; ``--gc-freeze``: the long run again after ``gc.freeze()``;
+``--split-scores staleness overlap``: the FlexiCache rows once per online head ranking, the A/B of
+``FlexiCacheConfig.split_score``; ``--skip-dense``: only the FlexiCache rows; ``--gc-freeze``: the long run again after ``gc.freeze()``;
 ``--eager-first-recordings``: the ``from_model`` rows again with every whole-step graph recording running its step
 eagerly before the capture, the A/B of recording a rerank phase at once, :func:`flexicache.step_graph._record`). A
 stopping-criteria clock (the device synchronised) times every step: the first interval is prompt to first token
@@ -45,7 +46,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, StoppingCriteriaList
 
-from flexicache import FlexiCache, step_graph
+from flexicache import FlexiCache, FlexiCacheConfig, step_graph
 from flexicache.attention import ATTENTION_NAME
 from flexicache.benchmarks.attention import Shape, random_profile
 from flexicache.benchmarks.measure import StepClock, build_model, peak, random_ids, reset_peak, summarize, synchronize
@@ -217,6 +218,27 @@ def from_model_cache(model: Any, settings: dict[str, Any], captures_at_once: boo
     return {"cache": cache}
 
 
+def flexicache_rows(model: Any, config: Any, ids: torch.Tensor, warm_ids: torch.Tensor, settings: dict[str, Any],
+                    args: argparse.Namespace, suffix: str = "") -> list[dict[str, Any]]:
+    """The FlexiCache rows of one setting: the plain cache, ``from_model`` and its long runs (``suffix``: added
+    to every row's name)."""
+    generate_steps(model, ids, 2, cache=FlexiCache(config=config, **settings))  # page-locks the pool
+    release(ids.device)
+    rows = [measure("FlexiCache(config) on the flexicache attention" + suffix, model, ids, args.new_tokens, warm_ids,
+                    lambda: {"cache": FlexiCache(config=config, **settings)})]
+    for at_once in (True, False) if args.eager_first_recordings else (True,):
+        name = "FlexiCache.from_model(model) (whole-step graphs" + ("" if at_once else ", recorded eagerly first")
+        rows.append(measure(name + ")" + suffix, model, ids, args.new_tokens, warm_ids,
+                            lambda: from_model_cache(model, settings, at_once)))
+        if not args.long_tokens:
+            continue
+        for freeze in (False, True) if args.gc_freeze else (False,):
+            rows.append(measure(f"the same, {args.long_tokens} new tokens" + (", gc.freeze()" if freeze else "")
+                                + suffix, model, ids, args.long_tokens, warm_ids,
+                                lambda: from_model_cache(model, settings, at_once), freeze))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(MODEL_SHAPES))
@@ -231,6 +253,8 @@ def main() -> None:
     parser.add_argument("--skip-dense", action="store_true", help="only the FlexiCache rows")
     parser.add_argument("--standby-pages", default=None,
                         help="FlexiCache's standby_pages (default: the library's, 'auto'), e.g. quarter or 0")
+    parser.add_argument("--split-scores", nargs="+", default=[FlexiCacheConfig.split_score],
+                        choices=["staleness", "overlap"], help="the FlexiCache rows once per online head ranking")
     parser.add_argument("--eager-first-recordings", action="store_true",
                         help="the from_model rows again with every recording running its step eagerly first")
     parser.add_argument("--gc-freeze", action="store_true",
@@ -258,26 +282,17 @@ def main() -> None:
                 lambda: {"cache_implementation": "static"}),
     ]
     model.set_attn_implementation(ATTENTION_NAME)
-    generate_steps(model, ids, 2, cache=FlexiCache(config=config, **settings))  # page-locks the pool
-    release(device)
-    rows.append(measure("FlexiCache(config) on the flexicache attention", model, ids, args.new_tokens, warm_ids,
-                        lambda: {"cache": FlexiCache(config=config, **settings)}))
-    for at_once in (True, False) if args.eager_first_recordings else (True,):
-        name = "FlexiCache.from_model(model) (whole-step graphs" + ("" if at_once else ", recorded eagerly first")
-        rows.append(measure(name + ")", model, ids, args.new_tokens, warm_ids,
-                            lambda: from_model_cache(model, settings, at_once)))
-        if not args.long_tokens:
-            continue
-        for freeze in (False, True) if args.gc_freeze else (False,):
-            rows.append(measure(f"the same, {args.long_tokens} new tokens" + (", gc.freeze()" if freeze else ""),
-                                model, ids, args.long_tokens, warm_ids,
-                                lambda: from_model_cache(model, settings, at_once), freeze))
+    for split_score in args.split_scores:
+        if profile is None:
+            settings["split_score"] = split_score
+        suffix = f" [split_score={split_score}]" if len(args.split_scores) > 1 else ""
+        rows += flexicache_rows(model, config, ids, warm_ids, settings, args, suffix)
     print(f"total {time.perf_counter() - start:.0f} s", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({
             "shape": args.shape, "layers": config.num_hidden_layers, "context": args.context, "batch": args.batch,
             "budget": args.budget, "unstable_fraction": args.unstable_fraction,
-            "standby_pages": args.standby_pages or "auto", "torch": torch.__version__,
+            "standby_pages": args.standby_pages or "auto", "split_scores": args.split_scores, "torch": torch.__version__,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "rows": rows,
         }, indent=2))
 

@@ -5,7 +5,8 @@ a DynamicCache on sdpa and with ``FlexiCache.from_model`` (``--repeats`` times e
 registers the host tiers' page-locked memory, the later ones borrow it from the pool), and then once more with a
 synchronising timer around each part of FlexiCache's commit of a prompt chunk: the dense attention (sdpa), the
 page metadata (min/max boxes), the principal axes of the boxes (and their eigendecompositions; ``--eigh``: by
-``torch.linalg.eigh``, in place of the fast batched basis), the online head split (``--online-split``: no
+``torch.linalg.eigh``, in place of the fast batched basis), the prompt tail's attention per page (what the page
+split and the staleness score read), the online head split (``--online-split``: no
 profile, the library's default), the unstable heads' pages, the stable heads' host tier and tails, the first rerank
 of the stable heads, and the cache's own ``update`` (staging, read-back). The
 timed run synchronises before and after every part, so its total is above the untimed prefill's; the parts say
@@ -45,8 +46,9 @@ PARTS: list[tuple[str, Any, str]] = [
     ("cache update (stage, read back)", FlexiCache, "update"),
     ("dense attention (sdpa)", attention, "sdpa_attention_forward"),
     ("commit of the chunk", layer.FlexiLayer, "commit"),
-    ("  online head split (no profile)", OnlineHeadSplit, "park"),
+    ("  prompt tail attention per page", layer, "tail_page_mass"),
     ("  page gains for head budgets", head_budgets, "prompt_page_gains"),
+    ("  online head split (no profile)", OnlineHeadSplit, "park"),
     ("  plan of the chunk", SequenceState, "plan_chunk"),
     ("  append to the pages", storage.LayerStorage, "append_chunk"),
     ("    principal axes", KeyBasis, "principal_axes"),

@@ -35,6 +35,7 @@ from flexicache.evaluation.perplexity import decode_nll, perplexity, stdlib_file
 from flexicache.head_budgets import prompt_page_gains, split_budget
 from flexicache.models import load_model
 from flexicache.oracle import OracleCache, OracleLayer, oracle_token_mask, page_mass
+from flexicache.profiling.pages import tail_page_mass
 
 PAGE_SIZE = 8
 WINDOW = 64  # prompt-tail queries the prompt split reads
@@ -86,7 +87,7 @@ def prompt_head_pages(query: torch.Tensor, keys: torch.Tensor, page_size: int, p
     num_pages = -(-length // page_size)
     if num_pages <= pages:
         return torch.full((heads,), pages)
-    gains = prompt_page_gains(query[None], keys[None], None, page_size, window)[0]  # [H, P]
+    gains = prompt_page_gains(tail_page_mass(query[None], keys[None], None, page_size, window), num_pages)[0]  # [H, P]
     return split_budget(gains, heads * pages, torch.full((heads,), 2), torch.full((heads,), num_pages))
 
 

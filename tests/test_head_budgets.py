@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from flexicache import FlexiCache, HeadProfile
 from flexicache.config import FlexiCacheConfig
 from flexicache.head_budgets import prompt_page_gains, prompt_row_pages, row_bounds, split_budget
+from flexicache.profiling.pages import tail_page_mass
 from flexicache.selection import attended_slots, select_pages
 
 
@@ -70,7 +71,7 @@ def test_a_head_attending_to_one_page_gives_its_budget_to_a_head_attending_every
     keys[0, 0, 21, 0] = 200.0  # head 0: page 5 takes every query's attention
     query = torch.zeros(1, 2, length, dim, dtype=torch.float64)
     query[0, 0, :, 0] = 1.0
-    gains = prompt_page_gains(query, keys, None, page_size, window=8)
+    gains = prompt_page_gains(tail_page_mass(query, keys, None, page_size, window=8), 16)
     assert gains.shape == (1, 2, 16)
     torch.testing.assert_close(gains[0, 0, 0], torch.tensor(1.0, dtype=torch.float32), atol=1e-6, rtol=0)
     assert float(gains[0, 0, 1:].abs().max()) < 1e-6
@@ -86,13 +87,14 @@ def test_prompt_gains_of_a_left_padded_request_are_its_own():
     query, keys = torch.randn(2, 4, 40, 8, generator=generator), torch.randn(2, 2, 40, 8, generator=generator)
     real = torch.ones(2, 40, dtype=torch.bool)
     real[1, :13] = False
-    gains = prompt_page_gains(query, keys, real, page_size=8)
-    alone = prompt_page_gains(query[1:, :, 13:], keys[1:, :, 13:], None, page_size=8)
+    gains = prompt_page_gains(tail_page_mass(query, keys, real, 8, window=64), 5)
+    alone = prompt_page_gains(tail_page_mass(query[1:, :, 13:], keys[1:, :, 13:], None, 8, window=64), 4)
     torch.testing.assert_close(gains[1, :, :4], alone[0], atol=1e-6, rtol=0)
     assert bool(gains[1, :, 4:].isneginf().all())  # no fifth page of real tokens
     # the last queries alone (what a shared prefill hands the commit) give the same gains
-    torch.testing.assert_close(prompt_page_gains(query[:, :, -20:], keys, real, page_size=8, window=20),
-                               prompt_page_gains(query, keys, real, page_size=8, window=20), atol=0, rtol=0)
+    last = prompt_page_gains(tail_page_mass(query[:, :, -20:], keys, real, 8, window=20), 5)
+    torch.testing.assert_close(last, prompt_page_gains(tail_page_mass(query, keys, real, 8, window=20), 5), atol=0,
+                               rtol=0)
 
 
 def test_a_layer_with_one_kv_head_keeps_k():

@@ -4,7 +4,7 @@ With ``head_budgets="uniform"`` every (request, KV head) row attends to ``K`` pa
 ``H * K`` pages of a request are split across its heads once, from the first prompt chunk, and kept for the whole
 decode (fixed shapes): a head whose attention is spread over many pages takes pages from one whose attention sits on
 a few. The split maximises the attention mass that each head's top ``K_h`` pages (by true attention) hold for the
-prompt's last :data:`WINDOW` queries, summed over the heads: with ``gain[h, k]`` the mean mass of head ``h``'s
+prompt's last :data:`~flexicache.config.PROMPT_TAIL_QUERIES` queries, summed over the heads: with ``gain[h, k]`` the mean mass of head ``h``'s
 ``k``-th heaviest page, non-increasing in ``k``, the best split takes the largest gains over all heads
 (:func:`split_budget`).
 
@@ -21,40 +21,29 @@ from __future__ import annotations
 
 import torch
 
-from flexicache.config import PROMPT_TAIL_QUERIES, FlexiCacheConfig
-from flexicache.profiling.pages import QUERY_BLOCK, page_attention_mass
-
-WINDOW = PROMPT_TAIL_QUERIES  # prompt-tail queries whose attention the split reads
+from flexicache.config import FlexiCacheConfig
+from flexicache.profiling.pages import QUERY_BLOCK
 
 
-def prompt_page_gains(query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.Tensor | None, page_size: int,
-                      window: int = WINDOW) -> torch.Tensor:
-    """``[B, H, P]`` float32: ``gain[b, h, k]``, the mean over request ``b``'s last ``window`` real prompt positions of
-    the attention mass (each query head's share, averaged over the GQA group) of head ``h``'s ``k``-th heaviest page
-    of that request's real tokens (``P``: the longest request's pages; ``-inf`` beyond a request's).
+def prompt_page_gains(tail_mass: list[torch.Tensor], num_pages: int) -> torch.Tensor:
+    """``[B, H, P]`` float32: ``gain[b, h, k]``, the mean over request ``b``'s last real prompt positions of the
+    attention mass of head ``h``'s ``k``-th heaviest page of that request's real tokens (``-inf`` beyond its pages).
 
     Args:
-        query: ``[B, Hq, T', D]`` the chunk's last ``T' <= T`` queries (RoPE applied; ``T' >= window`` reads all
-            ``window``).
-        keys: ``[B, H, T, D]`` the chunk's keys.
-        real_tokens: ``[B, T]`` bool (``None``: all real; padding on the left).
+        tail_mass: per request ``[H, W_b, P_b]``, :func:`~flexicache.profiling.pages.tail_page_mass` of the chunk.
+        num_pages: ``P``, the chunk's pages (the longest request's).
     """
-    batch, num_heads, length, head_dim = keys.shape
-    num_pages = -(-length // page_size)
-    gains = torch.full((batch, num_heads, num_pages), float("-inf"), dtype=torch.float32, device=keys.device)
-    real_counts = [length] * batch if real_tokens is None else real_tokens.sum(dim=1).tolist()
-    for request, count in enumerate(real_counts):
-        if count == 0:
+    batch, num_heads = len(tail_mass), tail_mass[0].shape[0]
+    gains = torch.full((batch, num_heads, num_pages), float("-inf"), dtype=torch.float32, device=tail_mass[0].device)
+    for request, mass in enumerate(tail_mass):
+        window, pages = mass.shape[1:]
+        if window == 0:
             continue
-        request_keys = keys[request, :, length - count:].float()  # [H, n, D]: left padding skipped
-        tail = query[request, :, query.shape[2] - min(window, count, query.shape[2]):].float()  # [Hq, W, D]
-        positions = torch.arange(count - tail.shape[1], count, device=keys.device)
-        mass = torch.zeros(num_heads, -(-count // page_size), dtype=torch.float32, device=keys.device)
-        for start in range(0, tail.shape[1], QUERY_BLOCK):
-            page_mass = page_attention_mass(tail[:, start:start + QUERY_BLOCK], request_keys,
-                                            positions[start:start + QUERY_BLOCK], page_size)  # [H, w, pages]
-            mass += page_mass.sort(dim=-1, descending=True).values.sum(dim=1)
-        gains[request, :, :mass.shape[1]] = mass / tail.shape[1]
+        ranked = mass.sort(dim=-1, descending=True).values  # [H, W, P_b]
+        total = torch.zeros(num_heads, pages, dtype=torch.float32, device=mass.device)
+        for start in range(0, window, QUERY_BLOCK):  # block by block: the summation order of eval/results' runs
+            total += ranked[:, start:start + QUERY_BLOCK].sum(dim=1)
+        gains[request, :, :pages] = total / window
     return gains
 
 

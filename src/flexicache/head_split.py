@@ -9,11 +9,12 @@ set going stale between reranks, against what it would lose as an unstable head
 page sets between neighbouring positions (:func:`flexicache.profiling.online.prompt_stability`, the offline profiler's
 measure). Pages are scored by the cache's ``spread_weight`` in the model's axes. The heads of lowest score, the
 cache's ``unstable_fraction`` of the scored heads (a quarter by default) wherever they are in the model (as the
-offline profiler ranks them) but never fewer than :meth:`HeadProfile.default` makes unstable, become
-unstable. A model with fewer than :data:`MIN_SPLIT_HEADS` paged heads keeps them all unstable: Gemma-3-270M (one global layer in six, one KV head each: three paged heads) with two unstable, the default
-profile's floor, was 1.008 and 1.043 of dense perplexity at 1/8 on two pairs of files (the prompt kept the middle
-global layer's head stable on ``dataclasses.py``, where its working set went stale: 1.085), with all three 1.005 and
-1.002 (eval/RESULTS.md); the one stable head would have saved a third of 3 KiB of bf16 KV per token.
+offline profiler ranks them) but never fewer than :meth:`HeadProfile.default` makes unstable, become unstable. A model
+with fewer than :data:`MIN_SPLIT_HEADS` paged heads keeps them all unstable: Gemma-3-270M (one global layer in six,
+one KV head each: three paged heads) with two unstable, the default profile's floor, was 1.008 and 1.043 of dense
+perplexity at 1/8 on two pairs of files (the prompt kept the middle global layer's head stable on ``dataclasses.py``,
+where its working set went stale: 1.085), with all three 1.005 and 1.002 (eval/RESULTS.md); the one stable head would
+have saved a third of 3 KiB of bf16 KV per token.
 
 That choice needs every layer's scores, and a layer's storage needs its split. So each layer *parks* its first chunk
 (:class:`OnlineHeadSplit`: its keys and values, its last query) when it has scored its heads, and the last sparse
@@ -43,6 +44,7 @@ import torch
 from flexicache.config import PROMPT_TAIL_QUERIES, FlexiCacheConfig
 from flexicache.handoff import StagedChunk
 from flexicache.profiling.online import prompt_stability
+from flexicache.profiling.pages import tail_page_mass
 from flexicache.profiling.staleness import prompt_staleness_gain
 from flexicache.profiling.stability import lowest_count
 
@@ -105,19 +107,21 @@ class OnlineHeadSplit:
         self.parked.pop(0)
 
     def park(self, chunk: StagedChunk, query: torch.Tensor, real_tokens: torch.Tensor | None,
-             settings: FlexiCacheConfig, fallback: list[int]) -> list[list[int]]:
+             settings: FlexiCacheConfig, fallback: list[int], tail_mass: list[torch.Tensor] | None = None
+             ) -> list[list[int]]:
         """Score a layer's heads from its first prompt chunk (staged by that layer) and park the chunk.
 
         Args:
             query: ``[B, Hq, T, D]`` the chunk's queries (RoPE applied; the last :data:`WINDOW` are read).
             real_tokens: ``[B, T]`` bool (``None``: all real); each request is estimated over its real tokens.
             fallback: this layer's heads to keep when its prompt is too short to tell.
+            tail_mass: the chunk's :func:`~flexicache.profiling.pages.tail_page_mass`, where the caller has it.
 
         Returns:
             Empty until every layer has parked; then each parked chunk's unstable heads, in the order parked. The
             chunks stay in :attr:`parked` until the caller stores them, each followed by :meth:`release_first`.
         """
-        scores = request_stability(query, chunk.keys, real_tokens, settings).nanmean(dim=0)  # [H], on its device
+        scores = request_stability(query, chunk.keys, real_tokens, settings, tail_mass).nanmean(dim=0)  # [H]
         compact = dataclasses.replace(chunk, keys=_owning(chunk.keys), values=_owning(chunk.values))
         self.parked.append(ParkedChunk(compact, query[:, :, -1:].clone(),
                                        None if real_tokens is None else _owning(real_tokens), scores, list(fallback)))
@@ -172,25 +176,31 @@ def _owning(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def request_stability(query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.Tensor | None,
-                      settings: FlexiCacheConfig) -> torch.Tensor:
+                      settings: FlexiCacheConfig, tail_mass: list[torch.Tensor] | None = None) -> torch.Tensor:
     """``[B, H]`` stability of each request's heads (``nan``: too few pages to tell), each over its real tokens, from
     ``query [B, Hq, T, D]`` and ``keys [B, H, T, D]`` (left on their device: without padding the split syncs once,
-    at its decision; a padded request's real tokens are gathered with a sync per layer)."""
+    at its decision; a padded request's real tokens are gathered with a sync per layer). ``tail_mass``: the chunk's
+    :func:`~flexicache.profiling.pages.tail_page_mass` over :data:`WINDOW` queries where the caller has it (the
+    staleness score reads it; computed here otherwise)."""
+    if settings.split_score == "staleness" and tail_mass is None and keys.shape[2] > 1:
+        tail_mass = tail_page_mass(query, keys, real_tokens, settings.page_size, WINDOW)
     if real_tokens is None:  # no padding: every request at once
-        return _stability(query, keys, settings)
-    return torch.stack([_stability(query[request, None][:, :, real], keys[request, None][:, :, real], settings)[0]
+        return _stability(query, keys, settings, None if tail_mass is None else torch.stack(tail_mass))
+    return torch.stack([_stability(query[request, None][:, :, real], keys[request, None][:, :, real], settings,
+                                   None if tail_mass is None else tail_mass[request][None])[0]
                         for request, real in enumerate(real_tokens.to(keys.device))])
 
 
-def _stability(query: torch.Tensor, keys: torch.Tensor, settings: FlexiCacheConfig) -> torch.Tensor:
+def _stability(query: torch.Tensor, keys: torch.Tensor, settings: FlexiCacheConfig,
+               tail_mass: torch.Tensor | None) -> torch.Tensor:
     """``[B, H]`` stability of requests without padding (lower: unstable first): with ``split_score="staleness"``
-    the negated :func:`~flexicache.profiling.staleness.prompt_staleness_gain`, with ``"overlap"``
-    :func:`~flexicache.profiling.online.prompt_stability`."""
+    the negated :func:`~flexicache.profiling.staleness.prompt_staleness_gain` (``tail_mass [B, H, W, P]``), with
+    ``"overlap"`` :func:`~flexicache.profiling.online.prompt_stability`."""
     if keys.shape[2] < 2:
         return torch.full(keys.shape[:2], float("nan"), device=keys.device)
     window = min(WINDOW, query.shape[2])
     if settings.split_score == "staleness":
-        return -prompt_staleness_gain(query[:, :, -window:], keys, settings.pages_per_head,
+        return -prompt_staleness_gain(query[:, :, -window:], keys, tail_mass, settings.pages_per_head,
                                       settings.num_standby_pages, settings.candidate_pages, settings.page_size,
                                       settings.rerank_interval, group_reduce=settings.group_reduce,
                                       spread_weight=settings.spread_weight)

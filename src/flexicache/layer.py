@@ -21,10 +21,11 @@ from transformers.cache_utils import CacheLayerMixin
 from flexicache import decode_paths, handoff, head_budgets
 from flexicache.attention import on_device
 from flexicache.backends import DecodeBackend, layer_backend
-from flexicache.config import FlexiCacheConfig
+from flexicache.config import PROMPT_TAIL_QUERIES, FlexiCacheConfig
 from flexicache.decode_graph import StepInputs
 from flexicache.decode_paths import DecodePath, GraphedDecode
 from flexicache.head_split import OnlineHeadSplit
+from flexicache.profiling.pages import tail_page_mass
 from flexicache.sequence import AppendPlan, SequenceState
 from flexicache.storage import LayerStorage
 
@@ -179,15 +180,23 @@ class FlexiLayer(CacheLayerMixin):
             query: ``[B, Hq, T, D]`` queries of the chunk (the last one seeds the stable heads' selection).
             real_tokens: ``[B, T]`` bool or ``None`` (all real).
         """
-        if self.settings.head_budgets == "prompt" and self.num_chunks == 0 and chunk.keys.shape[2] > 1:
-            self.prompt_gains = head_budgets.prompt_page_gains(_detached(query), chunk.keys, real_tokens,
-                                                               self.settings.page_size)
-        if self.is_initialized:
+        split_pending = not self.is_initialized
+        page_size = self.settings.page_size
+        # the prompt tail's attention per page: what the page split and the staleness score read
+        reads_tail = (self.settings.head_budgets == "prompt"
+                      or (split_pending and self.settings.split_score == "staleness"))
+        tail_mass = None
+        if reads_tail and self.num_chunks == 0 and chunk.keys.shape[2] > 1:
+            tail_mass = tail_page_mass(_detached(query), chunk.keys, real_tokens, page_size, PROMPT_TAIL_QUERIES)
+            if self.settings.head_budgets == "prompt":
+                self.prompt_gains = head_budgets.prompt_page_gains(tail_mass, -(-chunk.keys.shape[2] // page_size))
+        if not split_pending:
             self._store(chunk, query, real_tokens)
             return
         self._check_num_heads(chunk.keys.shape[1])  # an online split: this first prompt chunk waits for the others
         split = self.head_split
-        for unstable in split.park(chunk, _detached(query), real_tokens, self.settings, self.profile_unstable):
+        for unstable in split.park(chunk, _detached(query), real_tokens, self.settings, self.profile_unstable,
+                                   tail_mass):
             parked = split.parked[0]  # in layer order, each released once stored (a failure leaves it parked)
             layer = parked.layer
             if layer is not None:

@@ -1,5 +1,5 @@
 """Per-page element-wise key min / max (the metadata the Quest score needs), in one shot or kept up to date, and the
-true attention mass per page of a block of queries (what the prompt's page split and the head split read)."""
+true attention mass per page of the prompt's last queries (what the prompt's page split and the head split read)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,36 @@ def page_attention_mass(query: torch.Tensor, key: torch.Tensor, positions: torch
     shares = logits.masked_fill(future, float("-inf")).softmax(dim=-1).mean(dim=1)  # [H, w, T]
     padded = torch.nn.functional.pad(shares, (0, num_pages * page_size - length))
     return padded.view(num_heads, -1, num_pages, page_size).sum(dim=-1)
+
+
+def tail_page_mass(query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.Tensor | None, page_size: int,
+                   window: int) -> list[torch.Tensor]:
+    """Per request, ``[H, W_b, P_b]`` float32: the attention mass per page (:func:`page_attention_mass`) of its last
+    ``W_b = min(window, n_b, T')`` real prompt positions over its ``n_b`` real tokens, pages counted from its first
+    real token (``P_b = ceil(n_b / page_size)``; ``[H, 0, 0]`` for a request without real tokens).
+
+    Args:
+        query: ``[B, Hq, T', D]`` the chunk's last ``T' <= T`` queries (RoPE applied).
+        keys: ``[B, H, T, D]`` the chunk's keys.
+        real_tokens: ``[B, T]`` bool (``None``: all real; with padding each request's real tokens are gathered,
+            a sync per request).
+    """
+    batch, num_heads, length, _ = keys.shape
+    masses = []
+    for request in range(batch):
+        request_keys, request_query = keys[request], query[request]
+        if real_tokens is not None:
+            real = real_tokens[request].to(keys.device)
+            request_keys, request_query = request_keys[:, real], request_query[:, real[length - query.shape[2]:]]
+        count, queries = request_keys.shape[1], min(window, request_query.shape[1])
+        tail = request_query[:, request_query.shape[1] - queries:].float()  # [Hq, W, D]
+        request_keys = request_keys.float()
+        positions = torch.arange(count - queries, count, device=keys.device)
+        blocks = [page_attention_mass(tail[:, start:start + QUERY_BLOCK], request_keys,
+                                      positions[start:start + QUERY_BLOCK], page_size)
+                  for start in range(0, queries, QUERY_BLOCK)]
+        masses.append(torch.cat(blocks, dim=1) if blocks else keys.new_zeros(num_heads, 0, 0, dtype=torch.float32))
+    return masses
 
 
 class PageBounds:

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import torch
 
-from flexicache.profiling.pages import QUERY_BLOCK, page_attention_mass, page_bounds
+from flexicache.profiling.pages import page_bounds
 from flexicache.selection import GroupReduce, box_scores, reduce_group
 
 
 def prompt_staleness_gain(
     query: torch.Tensor,
     key: torch.Tensor,
+    mass: torch.Tensor,
     pages_per_head: int,
     standby_pages: int,
     candidate_pages: int,
@@ -50,6 +51,8 @@ def prompt_staleness_gain(
     Args:
         query: ``[B, Hq, W, D]`` queries of the last ``W`` prompt positions (RoPE applied; ``W <= T``).
         key: ``[B, H, T, D]`` keys of the whole prompt, pages starting at position 0 (no padding).
+        mass: ``[B, H, W, P]`` those queries' attention mass per page
+            (:func:`~flexicache.profiling.pages.tail_page_mass`).
         pages_per_head: ``K``, the pages a head attends to (the tail page included).
         standby_pages: ``C``, a stable head's pages on the device beyond ``K``.
         candidate_pages: an unstable head's candidates by box score (``exact_candidates * K``).
@@ -70,20 +73,25 @@ def prompt_staleness_gain(
     horizon = max(1, min(horizon, window))
     starts = torch.arange(0, window - horizon + 1, every, device=key.device)  # [S] rerank positions
     steps = starts.view(-1, 1) + torch.arange(horizon, device=key.device)  # [S, h]
-    filled_since = (pages >= full[starts].view(-1, 1, 1)) & valid[steps]  # [S, h, P]
+    # The pages filled since a rerank: full[start] + j for j < filled, held where below the step's full pages.
+    filled = -(-horizon // page_size) + 1
+    new_pages = full[starts].view(-1, 1, 1) + torch.arange(filled, device=key.device)  # [S, 1, F]
+    new_held = new_pages < full[steps].unsqueeze(-1)  # [S, h, F]
     gains = []
     for request in range(batch):  # one request's fp32 copies at a time
         kmin, kmax = (bound.float() for bound in page_bounds(key[request], page_size))  # [H, P, D], exact
-        request_query, request_key = query[request].float(), key[request].float()
-        mass = torch.cat([page_attention_mass(request_query[:, start:start + QUERY_BLOCK], request_key,
-                                              positions[start:start + QUERY_BLOCK], page_size)
-                          for start in range(0, window, QUERY_BLOCK)], dim=1)  # [H, W, P]
-        box = _tail_box_scores(request_query, kmin, kmax, group_reduce, spread_weight)
-        oracle = _top_mass(mass, valid, k)  # [H, W]
-        unstable_loss = oracle - _top_mass(mass, _top_pages(box, valid, candidate_pages), k)
-        working_set = _top_pages(box[:, starts], valid[starts], k + standby_pages)  # [H, S, P]
-        held = working_set.unsqueeze(2) | filled_since  # [H, S, h, P]
-        stable_loss = oracle[:, steps] - _top_mass(mass[:, steps], held, k)  # [H, S, h]
+        request_mass = mass[request].float()  # [H, W, P]
+        box = _tail_box_scores(query[request].float(), kmin, kmax, group_reduce, spread_weight)
+        oracle = _top_mass(request_mass, valid, k)  # [H, W]
+        candidates, held = _top_pages(box, valid, candidate_pages)  # [H, W, 3K]
+        unstable_loss = oracle - _top_mass(request_mass.gather(-1, candidates), held, k)
+        working_set, kept = _top_pages(box[:, starts], valid[starts], k + standby_pages)  # [H, S, K - 1 + C]
+        # each step's mass over its working set and the pages filled since: [H, S, h, K - 1 + C + F]
+        held_mass = torch.cat([_mass_at(request_mass, steps, working_set.unsqueeze(2)),
+                               _mass_at(request_mass, steps, new_pages.clamp(max=num_pages - 1))], dim=-1)
+        held_pages = torch.cat([kept.unsqueeze(2).expand(-1, -1, horizon, -1), new_held.expand(num_heads, -1, -1, -1)],
+                               dim=-1)
+        stable_loss = oracle[:, steps] - _top_mass(held_mass, held_pages, k)  # [H, S, h]
         gains.append(stable_loss.mean(dim=(1, 2)) - unstable_loss[:, steps].mean(dim=(1, 2)))
     return torch.stack(gains)
 
@@ -98,14 +106,24 @@ def _tail_box_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
     return reduce_group(scores, group_reduce).view(num_heads, window, num_pages)
 
 
-def _top_pages(score: torch.Tensor, valid: torch.Tensor, count: int) -> torch.Tensor:
-    """``score [..., P]`` -> bool ``[..., P]``: the ``count`` valid pages of best score (``valid`` broadcast to
-    ``score``), the sink (page 0) always among them where valid."""
+def _top_pages(score: torch.Tensor, valid: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``score [..., P]`` -> ``(pages, chosen)``, each ``[..., min(count, P)]``: the ``count`` valid pages of best
+    score (``valid`` broadcast to ``score``), the sink (page 0) always among them where valid, and whether each is
+    valid (fewer valid pages than ``count`` leave invalid ones in the list)."""
     valid = valid.expand_as(score)
     ranked = score.masked_fill(~valid, float("-inf"))
     ranked[..., 0] = ranked[..., 0].masked_fill(valid[..., 0], float("inf"))
-    chosen = ranked.topk(min(count, score.shape[-1]), dim=-1).indices
-    return torch.zeros_like(valid).scatter_(-1, chosen, True) & valid
+    pages = ranked.topk(min(count, score.shape[-1]), dim=-1).indices
+    return pages, valid.gather(-1, pages)
+
+
+def _mass_at(mass: torch.Tensor, steps: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """``[H, S, h, N]``: ``mass [H, W, P]`` at tail position ``steps [S, h]`` and the pages ``pages`` (long,
+    ``[H, S, 1, N]`` or ``[S, h or 1, N]``, broadcast to the steps), without the ``[H, S, h, P]`` copy."""
+    num_heads, _, num_pages = mass.shape
+    index = steps.unsqueeze(-1) * num_pages + pages
+    index = index.expand(num_heads, *index.shape[-3:])
+    return mass.flatten(1).gather(1, index.flatten(1)).view(index.shape)
 
 
 def _top_mass(mass: torch.Tensor, held: torch.Tensor, count: int) -> torch.Tensor:
