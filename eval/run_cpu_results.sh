@@ -245,6 +245,12 @@ for model in ${models[@]}; do
                 budget=160,exact_rescore=true,standby_pages=20,head_budgets=prompt \
                 --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24 \
                 --out "$root/levers/qwen2.5-coder-lcc-3k-head-budgets-online"
+            # the defaults: the online split ranking heads by what staleness costs them (split_score=staleness)
+            eval_cpu --model qwen2.5-coder --suite lcc --page-size 8 --profile online \
+                --method budget=320,exact_rescore=true,standby_pages=40,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                budget=160,exact_rescore=true,standby_pages=20,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24 \
+                --out "$root/levers/qwen2.5-coder-lcc-3k-staleness-online"
             eval_cpu --model qwen2.5-coder --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --profile online \
@@ -635,6 +641,11 @@ PY
                 --method budget=384,exact_rescore=true,standby_pages=48,head_budgets=prompt,exact_candidates=3 \
                 budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3 \
                 --out "$root/levers/ppl-3k-decode-2k-candidates-online"
+            eval_cpu --model smollm2 --suite ppl --page-size 8 --profile online \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 3072 --prefill 1024 \
+                --method budget=384,exact_rescore=true,standby_pages=48,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                --out "$root/levers/ppl-3k-decode-2k-staleness-online"
             eval_cpu --model smollm2 --suite synthetic --profile online \
                 --tasks niah_single_1 passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 \
                 --page-size 8 \
