@@ -13,20 +13,21 @@ On a random-weight model of a real shape (``--shape``, all its layers by default
 FlexiCache runs without a profile (the library's default: the head split estimated from the prompt over every layer;
 ``--unstable-fraction F``: a random profile instead, ``--standby-pages quarter``: another standby setting,
 ``--split-scores staleness overlap``: the FlexiCache rows once per online head ranking, the A/B of
-``FlexiCacheConfig.split_score``; ``--skip-dense``: only the FlexiCache rows; ``--gc-freeze``: the long run again after ``gc.freeze()``;
-``--eager-first-recordings``: the ``from_model`` rows again with every whole-step graph recording running its step
-eagerly before the capture, the A/B of recording a rerank phase at once, :func:`flexicache.step_graph._record`). A
-stopping-criteria clock (the device synchronised) times every step: the first interval is prompt to first token
-(the prefill), the rest are decode steps (p50, p99 and p99/p50). Peak device memory is torch's allocator peak over
-the whole ``generate``. Each row also places every garbage collection and every whole-step graph replay (its
-host and device milliseconds) in its decode step, to tell what makes a slow step slow. One untimed FlexiCache
-request at full size goes first: the first request of a process page-locks its host tier (later ones borrow the
-pool's blocks), and every system first runs one short untimed ``generate`` (kernel JIT, CUDA-graph recording of the
-short shape).
+``FlexiCacheConfig.split_score``; ``--skip-dense``: only the FlexiCache rows; ``--gc-freeze``: the long run again
+after ``gc.freeze()``; ``--eager-first-recordings``: the ``from_model`` rows again with every whole-step graph
+recording running its step eagerly before the capture, the A/B of recording a rerank phase at once,
+:func:`flexicache.step_graph._record`). A stopping-criteria clock (the device synchronised) times every step: the
+first interval is prompt to first token (the prefill), the rest are decode steps (p50, p99 and p99/p50). Peak device
+memory is torch's allocator peak over the whole ``generate``. Each row also places every garbage collection and every
+whole-step graph replay (its host and device milliseconds) in its decode step, to tell what makes a slow step slow.
+One untimed FlexiCache request at full size goes first: the first request of a process page-locks its host tier (later
+ones borrow the pool's blocks), and every system first runs one short untimed ``generate`` (kernel JIT, CUDA-graph
+recording of the short shape).
 
-Usage: ``python eval/gpu_end_to_end.py [--shape llama-3.1-8b] [--layers N] [--context 32768] [--batch 8]
-[--budget 1024] [--new-tokens 128] [--long-tokens 2000 (0: none)] [--out r.json]``; ``--device cpu --shape tiny-llama
---context 256 --batch 2 --budget 64 --new-tokens 4 --long-tokens 8`` is a smoke test.
+Usage: ``python eval/gpu_end_to_end.py [--shape llama-3.1-8b] [--layers N] [--context 32768] [--batch 8] [--budget
+1024] [--new-tokens 128] [--long-tokens 2000 (0: none)] [--split-scores staleness overlap] [--out r.json]``;
+``--device cpu --shape tiny-llama --context 256 --batch 2 --budget 64 --new-tokens 4 --long-tokens 8`` is a smoke
+test.
 """
 
 from __future__ import annotations
@@ -222,8 +223,6 @@ def flexicache_rows(model: Any, config: Any, ids: torch.Tensor, warm_ids: torch.
                     args: argparse.Namespace, suffix: str = "") -> list[dict[str, Any]]:
     """The FlexiCache rows of one setting: the plain cache, ``from_model`` and its long runs (``suffix``: added
     to every row's name)."""
-    generate_steps(model, ids, 2, cache=FlexiCache(config=config, **settings))  # page-locks the pool
-    release(ids.device)
     rows = [measure("FlexiCache(config) on the flexicache attention" + suffix, model, ids, args.new_tokens, warm_ids,
                     lambda: {"cache": FlexiCache(config=config, **settings)})]
     for at_once in (True, False) if args.eager_first_recordings else (True,):
@@ -262,6 +261,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
+    if args.unstable_fraction is not None and len(args.split_scores) > 1:
+        parser.error("--split-scores ranks the heads of the online split: a random profile (--unstable-fraction) "
+                     "has none; give one or the other")
     device = torch.device(args.device)
     config = model_config(args.shape, args.layers)
     model = build_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32, seed=0,
@@ -282,6 +284,8 @@ def main() -> None:
                 lambda: {"cache_implementation": "static"}),
     ]
     model.set_attn_implementation(ATTENTION_NAME)
+    generate_steps(model, ids, 2, cache=FlexiCache(config=config, **settings))  # page-locks the pool
+    release(device)
     for split_score in args.split_scores:
         if profile is None:
             settings["split_score"] = split_score
@@ -292,7 +296,8 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({
             "shape": args.shape, "layers": config.num_hidden_layers, "context": args.context, "batch": args.batch,
             "budget": args.budget, "unstable_fraction": args.unstable_fraction,
-            "standby_pages": args.standby_pages or "auto", "split_scores": args.split_scores, "torch": torch.__version__,
+            "standby_pages": args.standby_pages or "auto", "split_scores": args.split_scores,
+            "torch": torch.__version__,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "rows": rows,
         }, indent=2))
 

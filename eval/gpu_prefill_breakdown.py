@@ -1,16 +1,15 @@
 """Where a FlexiCache prefill's time goes, beside DynamicCache's, on a random-weight model of a real shape.
 
-Runs the prompt forward (``--batch`` random prompts of ``--context`` tokens, the logits of the last token only) with
-a DynamicCache on sdpa and with ``FlexiCache.from_model`` (``--repeats`` times each: the first FlexiCache prefill
+Runs the prompt forward (``--batch`` random prompts of ``--context`` tokens, the logits of the last token only) with a
+DynamicCache on sdpa and with ``FlexiCache.from_model`` (``--repeats`` times each: the first FlexiCache prefill
 registers the host tiers' page-locked memory, the later ones borrow it from the pool), and then once more with a
-synchronising timer around each part of FlexiCache's commit of a prompt chunk: the dense attention (sdpa), the
-page metadata (min/max boxes), the principal axes of the boxes (and their eigendecompositions; ``--eigh``: by
-``torch.linalg.eigh``, in place of the fast batched basis), the prompt tail's attention per page (what the page
-split and the staleness score read), the online head split (``--online-split``: no
-profile, the library's default), the unstable heads' pages, the stable heads' host tier and tails, the first rerank
-of the stable heads, and the cache's own ``update`` (staging, read-back). The
-timed run synchronises before and after every part, so its total is above the untimed prefill's; the parts say
-where the difference to DynamicCache sits.
+synchronising timer around each part of FlexiCache's commit of a prompt chunk: the dense attention (sdpa), the page
+metadata (min/max boxes), the principal axes of the boxes (and their eigendecompositions; ``--eigh``: by
+``torch.linalg.eigh``, in place of the fast batched basis), the prompt tail's attention per page (what the page split
+and the staleness score read), the online head split (``--online-split``: no profile, the library's default), the
+unstable heads' pages, the stable heads' host tier and tails, the first rerank of the stable heads, and the cache's
+own ``update`` (staging, read-back). The timed run synchronises before and after every part, so its total is above the
+untimed prefill's; the parts say where the difference to DynamicCache sits.
 
 Usage: ``python eval/gpu_prefill_breakdown.py [--shape llama-3.1-8b] [--layers 4] [--context 32768] [--batch 8]
 [--out r.json]``; ``--device cpu --shape tiny-llama`` is a smoke test.

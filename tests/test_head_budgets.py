@@ -82,6 +82,21 @@ def test_a_head_attending_to_one_page_gives_its_budget_to_a_head_attending_every
     assert pages.tolist() == [[2, 14]]
 
 
+@pytest.mark.parametrize("where", ["right", "middle"])
+def test_prompt_gains_of_a_request_padded_anywhere_are_its_own(where: str) -> None:
+    generator = torch.Generator().manual_seed(4)
+    query, keys = torch.randn(2, 4, 40, 8, generator=generator), torch.randn(2, 2, 40, 8, generator=generator)
+    real = torch.ones(2, 40, dtype=torch.bool)
+    real[1, {"right": slice(27, 40), "middle": slice(10, 23)}[where]] = False
+    gains = prompt_page_gains(tail_page_mass(query, keys, real, 8, window=64), 5)
+    alone = prompt_page_gains(tail_page_mass(query[1:, :, real[1]], keys[1:, :, real[1]], None, 8, window=64), 4)
+    torch.testing.assert_close(gains[1, :, :4], alone[0], atol=0, rtol=0)
+    assert bool(gains[1, :, 4:].isneginf().all())
+    last_ten = tail_page_mass(query[:, :, -10:], keys, real, 8, window=64)[1]
+    expected_queries = 0 if where == "right" else 10  # right: the last ten positions are all padding
+    assert last_ten.shape == (2, expected_queries, 4)
+
+
 def test_prompt_gains_of_a_left_padded_request_are_its_own():
     generator = torch.Generator().manual_seed(3)
     query, keys = torch.randn(2, 4, 40, 8, generator=generator), torch.randn(2, 2, 40, 8, generator=generator)

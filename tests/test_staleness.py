@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import greedy, random_prompt, tiny_config, tiny_model
+from conftest import greedy, left_pad, random_prompt, tiny_config, tiny_model
 
 from flexicache import FlexiCache, HeadProfile, head_split
 from flexicache import layer as layer_module
@@ -134,7 +134,8 @@ def test_each_layer_computes_its_prompt_tail_attention_once_for_both_readers(mon
         tail_masses.append(original_mass(*args))
         return tail_masses[-1]
 
-    def checked_stability(query, keys, real_tokens, settings, tail_mass=None) -> torch.Tensor:
+    def checked_stability(query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.Tensor | None,
+                          settings: FlexiCacheConfig, tail_mass: list[torch.Tensor] | None = None) -> torch.Tensor:
         scores = original_stability(query, keys, real_tokens, settings, tail_mass)
         torch.testing.assert_close(scores, original_stability(query, keys, real_tokens, settings), atol=0, rtol=0)
         parked.append(tail_mass)
@@ -142,9 +143,13 @@ def test_each_layer_computes_its_prompt_tail_attention_once_for_both_readers(mon
 
     monkeypatch.setattr(layer_module, "tail_page_mass", counted_mass)
     monkeypatch.setattr(head_split, "request_stability", checked_stability)
-    cache = FlexiCache.from_model(model, token_budget=48, page_size=16, head_budgets=head_budgets)
-    greedy(model, random_prompt(300, seed=2).view(1, -1), cache, max_new_tokens=3)
-    assert len(tail_masses) == 4 and [id(mass) for mass in parked] == [id(mass) for mass in tail_masses]
+    for prompts in ([random_prompt(300, seed=2)], [random_prompt(300, seed=3), random_prompt(220, seed=4)]):
+        tail_masses.clear()
+        parked.clear()
+        ids, mask = left_pad(prompts)
+        cache = FlexiCache.from_model(model, token_budget=48, page_size=16, head_budgets=head_budgets)
+        greedy(model, ids, cache, mask, max_new_tokens=3)
+        assert len(tail_masses) == 4 and [id(mass) for mass in parked] == [id(mass) for mass in tail_masses]
 
 
 def test_the_setting_is_checked_and_belongs_to_the_online_split() -> None:

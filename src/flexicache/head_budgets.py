@@ -4,11 +4,11 @@ With ``head_budgets="uniform"`` every (request, KV head) row attends to ``K`` pa
 ``H * K`` pages of a request are split across its heads once, from the first prompt chunk, and kept for the whole
 decode (fixed shapes): a head whose attention is spread over many pages takes pages from one whose attention sits on
 a few. The split maximises the attention mass that each head's top ``K_h`` pages (by true attention) hold for the
-prompt's last :data:`~flexicache.config.PROMPT_TAIL_QUERIES` queries, summed over the heads: with ``gain[h, k]`` the mean mass of head ``h``'s
-``k``-th heaviest page, non-increasing in ``k``, the best split takes the largest gains over all heads
-(:func:`split_budget`).
+prompt's last :data:`~flexicache.config.PROMPT_TAIL_QUERIES` queries, summed over the heads: with ``gain[h, k]`` the
+mean mass of head ``h``'s ``k``-th heaviest page, non-increasing in ``k``, the best split takes the largest gains over
+all heads (:func:`split_budget`).
 
-Each request is split over its own real tokens (a left-padded batch prefilled in one chunk decodes as each request
+Each request is split over its own real tokens (a padded batch prefilled in one chunk decodes as each request
 alone). A head's share stays within :func:`row_bounds`: at least the sink and the tail page, at most what it chooses
 from: an unstable head's candidates (``exact_candidates * K``), a stable head's working set and tail (``K + C``);
 without standby pages a stable head keeps ``K``. The split reads the first prompt chunk only: after a chunked
@@ -31,7 +31,7 @@ def prompt_page_gains(tail_mass: list[torch.Tensor], num_pages: int) -> torch.Te
 
     Args:
         tail_mass: per request ``[H, W_b, P_b]``, :func:`~flexicache.profiling.pages.tail_page_mass` of the chunk.
-        num_pages: ``P``, the chunk's pages (the longest request's).
+        num_pages: ``P = ceil(T / page_size)``, the chunk's pages.
     """
     batch, num_heads = len(tail_mass), tail_mass[0].shape[0]
     gains = torch.full((batch, num_heads, num_pages), float("-inf"), dtype=torch.float32, device=tail_mass[0].device)

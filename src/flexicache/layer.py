@@ -180,14 +180,14 @@ class FlexiLayer(CacheLayerMixin):
             query: ``[B, Hq, T, D]`` queries of the chunk (the last one seeds the stable heads' selection).
             real_tokens: ``[B, T]`` bool or ``None`` (all real).
         """
-        split_pending = not self.is_initialized
+        split_pending, query = self.awaits_head_split, _detached(query)
         page_size = self.settings.page_size
         # the prompt tail's attention per page: what the page split and the staleness score read
         reads_tail = (self.settings.head_budgets == "prompt"
                       or (split_pending and self.settings.split_score == "staleness"))
         tail_mass = None
         if reads_tail and self.num_chunks == 0 and chunk.keys.shape[2] > 1:
-            tail_mass = tail_page_mass(_detached(query), chunk.keys, real_tokens, page_size, PROMPT_TAIL_QUERIES)
+            tail_mass = tail_page_mass(query, chunk.keys, real_tokens, page_size, PROMPT_TAIL_QUERIES)
             if self.settings.head_budgets == "prompt":
                 self.prompt_gains = head_budgets.prompt_page_gains(tail_mass, -(-chunk.keys.shape[2] // page_size))
         if not split_pending:
@@ -195,8 +195,7 @@ class FlexiLayer(CacheLayerMixin):
             return
         self._check_num_heads(chunk.keys.shape[1])  # an online split: this first prompt chunk waits for the others
         split = self.head_split
-        for unstable in split.park(chunk, _detached(query), real_tokens, self.settings, self.profile_unstable,
-                                   tail_mass):
+        for unstable in split.park(chunk, query, real_tokens, self.settings, self.profile_unstable, tail_mass):
             parked = split.parked[0]  # in layer order, each released once stored (a failure leaves it parked)
             layer = parked.layer
             if layer is not None:

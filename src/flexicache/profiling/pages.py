@@ -43,13 +43,13 @@ def tail_page_mass(query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.T
                    window: int) -> list[torch.Tensor]:
     """Per request, ``[H, W_b, P_b]`` float32: the attention mass per page (:func:`page_attention_mass`) of its last
     ``W_b = min(window, n_b, T')`` real prompt positions over its ``n_b`` real tokens, pages counted from its first
-    real token (``P_b = ceil(n_b / page_size)``; ``[H, 0, 0]`` for a request without real tokens).
+    real token (``P_b = ceil(n_b / page_size)``; ``W_b = 0`` where the queries hold none of its real tokens).
 
     Args:
         query: ``[B, Hq, T', D]`` the chunk's last ``T' <= T`` queries (RoPE applied).
         keys: ``[B, H, T, D]`` the chunk's keys.
         real_tokens: ``[B, T]`` bool (``None``: all real; with padding each request's real tokens are gathered,
-            a sync per request).
+            which syncs with the device per request).
     """
     batch, num_heads, length, _ = keys.shape
     masses = []
@@ -65,7 +65,8 @@ def tail_page_mass(query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.T
         blocks = [page_attention_mass(tail[:, start:start + QUERY_BLOCK], request_keys,
                                       positions[start:start + QUERY_BLOCK], page_size)
                   for start in range(0, queries, QUERY_BLOCK)]
-        masses.append(torch.cat(blocks, dim=1) if blocks else keys.new_zeros(num_heads, 0, 0, dtype=torch.float32))
+        masses.append(torch.cat(blocks, dim=1) if blocks else
+                      keys.new_zeros(num_heads, 0, -(-count // page_size), dtype=torch.float32))
     return masses
 
 

@@ -60,14 +60,17 @@ def prompt_staleness_gain(
         every: tail positions between two rerank positions averaged over.
         group_reduce, spread_weight: how pages are scored (:func:`~flexicache.selection.quest_page_scores`).
     """
-    batch, num_heads, length, head_dim = key.shape
+    batch, num_heads, length, _ = key.shape
     window = query.shape[2]
+    num_pages = -(-length // page_size)
+    if mass.shape != (batch, num_heads, window, num_pages):
+        raise ValueError(f"mass must be [B, H, W, P] = {[batch, num_heads, window, num_pages]} for these queries and "
+                         f"keys, got {list(mass.shape)}")
     k = pages_per_head - 1
     if (length - 1) // page_size <= k:
         return torch.full((batch, num_heads), float("nan"), device=key.device)
     positions = torch.arange(length - window, length, device=key.device)
     full = positions // page_size  # [W] full pages at each tail position
-    num_pages = -(-length // page_size)
     pages = torch.arange(num_pages, device=key.device)
     valid = pages < full.view(-1, 1)  # [W, P]
     horizon = max(1, min(horizon, window))
@@ -83,10 +86,10 @@ def prompt_staleness_gain(
         request_mass = mass[request].float()  # [H, W, P]
         box = _tail_box_scores(query[request].float(), kmin, kmax, group_reduce, spread_weight)
         oracle = _top_mass(request_mass, valid, k)  # [H, W]
-        candidates, held = _top_pages(box, valid, candidate_pages)  # [H, W, 3K]
-        unstable_loss = oracle - _top_mass(request_mass.gather(-1, candidates), held, k)
-        working_set, kept = _top_pages(box[:, starts], valid[starts], k + standby_pages)  # [H, S, K - 1 + C]
-        # each step's mass over its working set and the pages filled since: [H, S, h, K - 1 + C + F]
+        candidates, candidate_valid = _top_pages(box, valid, candidate_pages)  # [H, W, min(candidate_pages, P)]
+        unstable_loss = oracle - _top_mass(request_mass.gather(-1, candidates), candidate_valid, k)
+        working_set, kept = _top_pages(box[:, starts], valid[starts], k + standby_pages)  # [H, S, min(K - 1 + C, P)]
+        # each step's mass over its working set and the pages filled since: [H, S, h, min(K - 1 + C, P) + F]
         held_mass = torch.cat([_mass_at(request_mass, steps, working_set.unsqueeze(2)),
                                _mass_at(request_mass, steps, new_pages.clamp(max=num_pages - 1))], dim=-1)
         held_pages = torch.cat([kept.unsqueeze(2).expand(-1, -1, horizon, -1), new_held.expand(num_heads, -1, -1, -1)],
@@ -107,7 +110,7 @@ def _tail_box_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
 
 
 def _top_pages(score: torch.Tensor, valid: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``score [..., P]`` -> ``(pages, chosen)``, each ``[..., min(count, P)]``: the ``count`` valid pages of best
+    """``score [..., P]`` -> ``(pages, valid)``, each ``[..., min(count, P)]``: the ``count`` valid pages of best
     score (``valid`` broadcast to ``score``), the sink (page 0) always among them where valid, and whether each is
     valid (fewer valid pages than ``count`` leave invalid ones in the list)."""
     valid = valid.expand_as(score)
