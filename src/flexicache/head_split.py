@@ -182,10 +182,10 @@ def request_stability(query: torch.Tensor, keys: torch.Tensor, real_tokens: torc
     at its decision; a padded request's real tokens are gathered with a sync per layer). ``tail_mass``: the chunk's
     :func:`~flexicache.profiling.pages.tail_page_mass` over :data:`WINDOW` queries where the caller has it (the
     staleness score reads it; computed here otherwise)."""
-    if settings.split_score == "staleness" and tail_mass is None and keys.shape[2] > 1:
-        tail_mass = tail_page_mass(query, keys, real_tokens, settings.page_size, WINDOW)
     if settings.split_score != "staleness":
         tail_mass = None  # the overlap score does not read it
+    elif tail_mass is None and keys.shape[2] > 1:
+        tail_mass = tail_page_mass(query, keys, real_tokens, settings.page_size, WINDOW)
     if real_tokens is None:  # no padding: every request at once
         return _stability(query, keys, settings, None if tail_mass is None else torch.stack(tail_mass))
     return torch.stack([_stability(query[request, None][:, :, real], keys[request, None][:, :, real], settings,
