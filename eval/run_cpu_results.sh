@@ -666,12 +666,14 @@ PY
                 --method budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 \
                 --out "$root/levers/synthetic-8k-candidates-online"
             # the defaults: the online split ranking heads by what staleness costs them (split_score=staleness)
-            for task in passkey niah_single_1; do
-                eval_cpu --model smollm2 --suite synthetic --profile online \
-                    --tasks $task --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 \
-                    --method budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3,split_score=staleness \
-                    --out "$root/levers/synthetic-8k-${task%_single_1}-staleness-online"
-            done
+            eval_cpu --model smollm2 --suite synthetic --profile online \
+                --tasks passkey --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 \
+                --method budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                --out "$root/levers/synthetic-8k-passkey-staleness-online"
+            eval_cpu --model smollm2 --suite synthetic --profile online \
+                --tasks niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 \
+                --method budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                --out "$root/levers/synthetic-8k-niah-staleness-online"
             echo "+ levers: niah_single_1 4k"
             eval_cpu --model smollm2 --suite synthetic \
                 --tasks niah_single_1 --lengths 4096 --limit 10 --max-new-tokens 24 --budget 256 --oracle \
