@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from flexicache.profiling.measure import MeasureSettings, select_by_attention, select_by_quest, trace_batch
-from flexicache.profiling.pages import PageBounds, page_bounds
+from flexicache.profiling.pages import PageBounds, page_attention_mass, page_bounds
 from flexicache.profiling.probe import PROBE_NAME, QueryRecorder, probing
 
 
@@ -84,6 +84,48 @@ def test_page_bounds_incremental_equals_one_shot():
     assert bounds.num_pages == math.ceil(50 / 16)
     torch.testing.assert_close(bounds.bounds(), (kmin, kmax), rtol=0, atol=0)
     assert torch.equal(kmin[..., 3, :], keys[..., 48:, :].amin(-2))
+
+
+def _page_mass_reference(query: torch.Tensor, key: torch.Tensor, first: int, page_size: int) -> torch.Tensor:
+    """:func:`page_attention_mass` written plainly in float64: ``[H, w, P]``."""
+    num_heads, length, head_dim = key.shape
+    group = query.shape[0] // num_heads
+    mass = torch.zeros(num_heads, query.shape[1], math.ceil(length / page_size), dtype=torch.float64)
+    for head in range(num_heads):
+        for w in range(query.shape[1]):
+            for q_head in range(head * group, (head + 1) * group):
+                seen = first + w + 1
+                logits = key[head, :seen].double() @ query[q_head, w].double() / math.sqrt(head_dim)
+                for t, share in enumerate(logits.softmax(dim=0).tolist()):
+                    mass[head, w, t // page_size] += share / group
+    return mass
+
+
+@pytest.mark.parametrize("length, first, page_size", [(37, 30, 8), (40, 20, 8), (33, 0, 4), (16, 15, 16)])
+def test_page_attention_mass_matches_causal_attention_written_plainly(length, first, page_size):
+    generator = torch.Generator().manual_seed(length)
+    query, key = torch.randn(6, 5, 16, generator=generator) * 2, torch.randn(2, length, 16, generator=generator) * 2
+    width = min(5, length - first)
+    expected = _page_mass_reference(query[:, :width], key, first, page_size)
+    mass = page_attention_mass(query[:, :width], key, first, page_size)
+    assert mass.dtype == torch.float32
+    torch.testing.assert_close(mass.double(), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_page_attention_mass_of_16_bit_keys_on_cuda_is_float32s(dtype):
+    """16-bit queries and keys multiply on tensor cores into float32 logits: the float32 path's result on the same
+    (exactly converted) values, up to the order of the sums."""
+    generator = torch.Generator().manual_seed(0)
+    query = (torch.randn(32, 16, 128, generator=generator) * 2).to(dtype).cuda()
+    key = (torch.randn(8, 3001, 128, generator=generator) * 2).to(dtype).cuda()
+    mass = page_attention_mass(query, key, 2990, 8)
+    expected = page_attention_mass(query.float(), key.float(), 2990, 8)
+    assert mass.dtype == torch.float32 and mass.shape == (8, 16, 376)
+    torch.testing.assert_close(mass, expected, atol=1e-6, rtol=1e-4)
+    reference = _page_mass_reference(query[:, :2].cpu(), key.cpu(), 2990, 8)
+    torch.testing.assert_close(mass[:, :2].double().cpu(), reference, atol=1e-5, rtol=0)
 
 
 def test_select_by_quest_matches_brute_force():

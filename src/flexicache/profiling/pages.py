@@ -24,19 +24,40 @@ def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
     return low.amin(dim=-2), high.amax(dim=-2)
 
 
-def page_attention_mass(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
+BMM_TAKES_OUT_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 8)  # 16-bit in, float32 out
+
+
+def on_tensor_cores(key: torch.Tensor) -> bool:
+    """Whether :func:`page_attention_mass` multiplies ``key`` as it is (16-bit on CUDA), not in float32."""
+    return BMM_TAKES_OUT_DTYPE and key.is_cuda and key.dtype in (torch.bfloat16, torch.float16)
+
+
+def page_attention_mass(query: torch.Tensor, key: torch.Tensor, first_position: int,
                         page_size: int) -> torch.Tensor:
-    """``[H, w, P]`` float: each query's causal attention mass per page of ``key`` (each query head's softmax share
-    with the scale ``head_dim ** -0.5``, averaged over the GQA group), from ``query [Hq, w, D]`` at ``positions [w]``
-    and ``key [H, T, D]`` (pages of ``page_size`` from position 0; the last may be partial)."""
+    """``[H, w, P]`` float32: each query's causal attention mass per page of ``key`` (each query head's softmax share
+    with the scale ``head_dim ** -0.5``, averaged over the GQA group), from ``query [Hq, w, D]`` at the positions
+    ``first_position .. first_position + w - 1`` and ``key [H, T, D]`` (pages of ``page_size`` from position 0; the
+    last may be partial). 16-bit inputs on CUDA are multiplied on tensor cores into float32 logits (their products are
+    exact in float32, so the logits are float32's up to the order of the sums); other inputs in float32."""
     num_heads, length, head_dim = key.shape
-    num_pages = math.ceil(length / page_size)
-    block = query.reshape(num_heads, query.shape[0] // num_heads, -1, head_dim)
-    logits = torch.einsum("hgwd,htd->hgwt", block, key) * head_dim ** -0.5
-    future = torch.arange(length, device=key.device) > positions.view(-1, 1)
-    shares = logits.masked_fill(future, float("-inf")).softmax(dim=-1).mean(dim=1)  # [H, w, T]
-    padded = torch.nn.functional.pad(shares, (0, num_pages * page_size - length))
-    return padded.view(num_heads, -1, num_pages, page_size).sum(dim=-1)
+    width = query.shape[1]
+    block = query.reshape(num_heads, -1, head_dim)  # [H, G * w, D]: a KV head's query heads one after the other
+    if on_tensor_cores(key):
+        logits = torch.bmm(block, key.transpose(1, 2), out_dtype=torch.float32)
+    else:
+        logits = torch.bmm(block.float(), key.float().transpose(1, 2))
+    logits = logits.view(num_heads, -1, width, length).mul_(head_dim ** -0.5)  # [H, G, w, T]
+    future = first_position + 1  # query i sees the columns up to first_position + i
+    if future < length:
+        columns = torch.arange(length - future, device=key.device)
+        logits[..., future:].masked_fill_(columns >= torch.arange(width, device=key.device).view(-1, 1), float("-inf"))
+    shares = logits.softmax(dim=-1).mean(dim=1)  # [H, w, T]
+    full = length // page_size * page_size
+    mass = shares[..., :full].unflatten(-1, (-1, page_size)).sum(dim=-1)
+    if full < length:  # the partial last page, padded to a whole one (the sum's order of the whole pages)
+        last = torch.nn.functional.pad(shares[..., full:], (0, full + page_size - length))
+        mass = torch.cat([mass, last.sum(dim=-1, keepdim=True)], dim=-1)
+    return mass
 
 
 def tail_page_mass(query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.Tensor | None, page_size: int,
@@ -59,11 +80,11 @@ def tail_page_mass(query: torch.Tensor, keys: torch.Tensor, real_tokens: torch.T
             real = real_tokens[request].to(keys.device)
             request_keys, request_query = request_keys[:, real], request_query[:, real[length - query.shape[2]:]]
         count, queries = request_keys.shape[1], min(window, request_query.shape[1])
-        tail = request_query[:, request_query.shape[1] - queries:].float()  # [Hq, W, D]
-        request_keys = request_keys.float()
-        positions = torch.arange(count - queries, count, device=keys.device)
-        blocks = [page_attention_mass(tail[:, start:start + QUERY_BLOCK], request_keys,
-                                      positions[start:start + QUERY_BLOCK], page_size)
+        tail = request_query[:, request_query.shape[1] - queries:]  # [Hq, W, D]
+        if not on_tensor_cores(request_keys):  # converted once, not per block
+            request_keys, tail = request_keys.float(), tail.float()
+        blocks = [page_attention_mass(tail[:, start:start + QUERY_BLOCK], request_keys, count - queries + start,
+                                      page_size)
                   for start in range(0, queries, QUERY_BLOCK)]
         masses.append(torch.cat(blocks, dim=1) if blocks else
                       keys.new_zeros(num_heads, 0, -(-count // page_size), dtype=torch.float32))
