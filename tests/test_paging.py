@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Driver, check_layer_state, checked, page_minmax, tiny_config
+from conftest import Driver, check_layer_state, checked, mixed_profile, page_minmax, tiny_config
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -235,3 +235,53 @@ def test_expand_ranges_lists_every_range_in_order(ranges: list[tuple[int, int]])
     owner, value = expand_ranges(starts, counts)
     expected = [(i, start + k) for i, (start, count) in enumerate(ranges) for k in range(count)]
     assert list(zip(owner.tolist(), value.tolist())) == expected
+
+
+def _graphed_step_state(cache: FlexiCache) -> list[tuple]:
+    """Per layer: pool slots in use, bytes counted to the host, the first new slot written for the recorded work."""
+    state = []
+    for layer in cache.layers:
+        storage = layer.storage
+        state.append((storage.pool.used, storage.offloaded.counters.bytes_d2h if storage.offloaded else 0,
+                      int(storage.open_start) if storage.resident is not None else None))
+    return state
+
+
+def _prefilled(lengths: list[int]) -> Driver:
+    config = tiny_config(num_kv_heads=2, num_layers=3)
+    cache = FlexiCache(config, profile=mixed_profile(config), token_budget=8, page_size=4, cuda_graphs=False)
+    driver = Driver(config, cache)
+    driver.prefill(lengths)
+    return driver
+
+
+def test_a_graphed_steps_room_made_ahead_takes_no_slot_and_counts_nothing():
+    """The room a whole-step graph's step needs (made a step ahead, StepGraphStore.prepare_next_step) leaves slots
+    and counts to the step's own reservation: room then reservation equals the reservation alone, and room for a
+    decode step that never comes (a chunk of several tokens first) leaves the next steps as without it."""
+    lengths = [8, 5]  # the next token opens a page for request 0 and retires its full tail
+    cpu = torch.device("cpu")
+    ahead, alone, unused, plain = (_prefilled(lengths) for _ in range(4))
+    for driver in (ahead, unused):
+        plan = driver.cache.sequence.peek_decode_plan(cpu)
+        assert plan.num_new_pages and plan.num_full_tails
+        before = _graphed_step_state(driver.cache)
+        for layer in driver.cache.layers:
+            layer.make_graphed_step_room(plan)
+        room = _graphed_step_state(driver.cache)
+        assert [state[:2] for state in room] == [state[:2] for state in before]
+        assert all(state[2] in (None, state[0]) for state in room)  # the first slot the step will take
+    for driver in (ahead, alone):
+        plan = driver.cache.sequence.peek_decode_plan(cpu)
+        for layer in driver.cache.layers:
+            layer.reserve_graphed_step(plan)
+    assert _graphed_step_state(ahead.cache) == _graphed_step_state(alone.cache)
+    for driver in (unused, plain):
+        driver.chunk(torch.ones(2, 3, dtype=torch.long))  # the peeked decode plan never runs
+        driver.decode()
+        driver.decode()
+    assert [state[:2] for state in _graphed_step_state(unused.cache)] == \
+        [state[:2] for state in _graphed_step_state(plain.cache)]
+    for layer in range(3):
+        torch.testing.assert_close(unused.outputs[layer], plain.outputs[layer], rtol=0, atol=0)
+    check_layer_state(unused, unused.cache)

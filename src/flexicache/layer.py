@@ -331,6 +331,9 @@ class FlexiLayer(CacheLayerMixin):
     def reserve_graphed_step(self, plan: AppendPlan) -> None:
         self.storage.reserve_graphed_step(plan)
 
+    def make_graphed_step_room(self, plan: AppendPlan) -> None:
+        self.storage.make_graphed_step_room(plan)
+
     def graph_storage_key(self, plan: AppendPlan) -> tuple:
         """The storage a recorded decode of the step ``plan`` reads (see :meth:`begin_graphed_step`)."""
         return self.graphed.recording_launch(plan)[1]

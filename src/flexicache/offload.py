@@ -183,10 +183,13 @@ class OffloadedPages:
         self.selected[rows, victim] = torch.where(evictable, per_row(page, self.num_heads), held)
         self.selected_scores[rows, victim] = torch.where(evictable, float("inf"), self.selected_scores[rows, victim])
 
-    def prepare_retirement(self, full_pages: int, num_full: int) -> None:
-        """Host side of :meth:`retire_full_tails_on_device` for a step where ``num_full`` requests retire and the
-        longest has ``full_pages`` full pages: room in the host tier, the transfer count."""
+    def make_retirement_room(self, full_pages: int) -> None:
+        """Host-tier room for :meth:`retire_full_tails_on_device` at a step where the longest request has
+        ``full_pages`` full pages."""
         self._reserve_host(full_pages)
+
+    def count_retirement(self, num_full: int) -> None:
+        """The transfer count of a :meth:`retire_full_tails_on_device` where ``num_full`` requests retire."""
         self.counters.bytes_d2h += self.host_page_bytes(num_full * self.num_heads)
 
     def retire_full_tails_on_device(self, before: torch.Tensor) -> None:

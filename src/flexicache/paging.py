@@ -148,10 +148,14 @@ class PagePool:
     def allocate(self, count: int) -> int:
         """First slot of ``count`` new consecutive slots."""
         start = self.used
-        self.k = grow_dim(self.k, 0, start + count)
-        self.v = grow_dim(self.v, 0, start + count)
+        self.make_room(count)
         self.used += count
         return start
+
+    def make_room(self, count: int) -> None:
+        """Capacity for ``count`` slots beyond those in use (no slot handed out)."""
+        self.k = grow_dim(self.k, 0, self.used + count)
+        self.v = grow_dim(self.v, 0, self.used + count)
 
     @property
     def nbytes_reserved(self) -> int:
@@ -177,8 +181,13 @@ class ResidentPages:
     def reserve_pages(self, plan: AppendPlan) -> int:
         """Room in the page table and ``num_new_pages x h`` new pool slots for the pages the chunk starts; returns
         the first slot (the ``r``-th new page gets slots ``first + r * h + j``, head ``j``)."""
-        self.table = grow_dim(self.table, 2, plan.max_pages_after, -1)
+        self.make_room(plan)
         return self.pool.allocate(plan.num_new_pages * self.num_heads)
+
+    def make_room(self, plan: AppendPlan) -> None:
+        """The page table's and the pool's capacity for the pages the chunk starts (no slot handed out)."""
+        self.table = grow_dim(self.table, 2, plan.max_pages_after, -1)
+        self.pool.make_room(plan.num_new_pages * self.num_heads)
 
     def open_pages(self, plan: AppendPlan) -> None:
         """Give every page the chunk starts a pool slot per head (the slot it had before a crop, if any)."""

@@ -13,7 +13,7 @@ FlexiCache whose layers all run the CUDA path goes:
 
 When the previous decode step also ran from a graph and nothing came between, step 1 shrinks to what the device
 reads (:meth:`StepGraphStore.prepare_replay`: the step's plan and static inputs, made while the previous step ran on
-the GPU by :meth:`StepGraphStore.prepare_next_step`; the layers' reservations only at a step that opens pages), and
+the GPU by :meth:`StepGraphStore.prepare_next_step`, as is the layers' room at a step that opens pages), and
 the rest of the bookkeeping (:meth:`StepGraphStore.finish_replay`) runs after the replay is launched, while the GPU
 works.
 
@@ -75,6 +75,8 @@ class StepLayer(Protocol):
 
     def reserve_graphed_step(self, plan: AppendPlan) -> None: ...
 
+    def make_graphed_step_room(self, plan: AppendPlan) -> None: ...  # may run ahead of the step
+
     def graph_storage_key(self, plan: AppendPlan) -> tuple: ...
 
     def prepare_device_step(self, plan: AppendPlan) -> bool: ...
@@ -129,6 +131,7 @@ class StepGraphStore:
         self.eager_reason = refusal
         self.failed: str | None = None  # an exception inside a graphed step left the cache's state incomplete
         self.next_reranks: tuple[AppendPlan, tuple[bool, ...]] | None = None  # prepare_next_step's, for its plan
+        self.next_room: tuple[AppendPlan, tuple] | None = None  # its storage keys after the plan's room was made
         self.driven = False  # a model forward wrapped by enable_step_graphs has run with this cache
         self.unwrapped_seen = False  # a decode step came from a forward never wrapped (forward_guard's adoption)
 
@@ -148,7 +151,7 @@ class StepGraphStore:
     def reset(self) -> None:
         """:meth:`clear`, and forget the next step prepared ahead and any failed step (the cache was reset)."""
         self.clear()
-        self.next_reranks = None
+        self.next_reranks = self.next_room = None
         self.failed = None
 
     def ready(self) -> bool:
@@ -182,10 +185,12 @@ class StepGraphStore:
         plan = layers[0].graphed_step_plan()
         if not all(layer.prepare_device_step(plan) for layer in self._planning_layers()):
             return None
-        if plan.num_new_pages:  # only a step that opens pages reserves, and only a reservation can reallocate
+        if plan.num_new_pages:  # only a step that opens pages reserves, and only its room can reallocate
             for layer in layers:
-                layer.reserve_graphed_step(plan)
-            if tuple(layer.graph_storage_key(plan) for layer in layers) != storage:
+                layer.reserve_graphed_step(plan)  # its room made ahead: the slots and counts alone
+            room = self.next_room
+            keys = room[1] if room is not None and room[0] is plan else self._storage_keys(plan)
+            if keys != storage:
                 return None
         ahead = self.next_reranks
         reranks = ahead[1] if ahead is not None and ahead[0] is plan else self._reranks_due(plan)
@@ -202,20 +207,28 @@ class StepGraphStore:
     def _reranks_due(self, plan: AppendPlan) -> tuple[bool, ...]:
         return tuple(layer.rerank_due(plan) for layer in self.layers)
 
+    def _storage_keys(self, plan: AppendPlan) -> tuple:
+        return tuple(layer.graph_storage_key(plan) for layer in self.layers)
+
     def finish_replay(self, plan: AppendPlan) -> None:
         """The host bookkeeping of a step prepared by :meth:`prepare_replay` that no device work reads."""
         for layer in self.layers:
             layer.finish_graphed_step(plan)
 
     def prepare_next_step(self) -> None:
-        """Right after a graphed step is launched: the next decode step's plan and shared device inputs, made while
-        the GPU works (their device writes queue behind the launched step). No state a caller sees changes: the
-        next step takes them over if it is a decode step (:meth:`SequenceState.peek_decode_plan`), any other call
-        recomputes its own."""
+        """Right after a graphed step is launched: the next decode step's plan and shared device inputs and, where
+        it opens pages, the layers' room for them (:meth:`StepLayer.make_graphed_step_room`), made while the GPU
+        works (their device writes queue behind the launched step). No state a caller sees changes but capacity
+        reserved a step early: the next step takes them over if it is a decode step
+        (:meth:`SequenceState.peek_decode_plan`), any other call recomputes its own (the room stays, unused)."""
         plan = self.sequence.peek_decode_plan(self.layers[0].device)
         for layer in self._planning_layers():
             layer.prepare_device_step(plan)
         self.next_reranks = (plan, self._reranks_due(plan))  # the rerank phase only moves with a step
+        if plan.num_new_pages:  # the room for the pages it opens (about 1 ms of host work at 32 layers)
+            for layer in self.layers:
+                layer.make_graphed_step_room(plan)
+            self.next_room = (plan, self._storage_keys(plan))
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:

@@ -69,7 +69,9 @@ class LayerStorage:
         self.row_pages = self.row_pages_host.to(device)
         self.row_pages_key: tuple[int, ...] | None = None  # the split as the step's layouts are keyed (None: K)
         self.table_width = self.fewest_pages = pages_per_head  # the most and the fewest pages a row attends to
-        self._reserved_plan: AppendPlan | None = None  # the graphed step whose room reserve_graphed_step made
+        self._room_plan: AppendPlan | None = None  # the graphed step whose room make_graphed_step_room made
+        self._reserved_plan: AppendPlan | None = None  # the graphed step reserve_graphed_step took its slots for
+        self._open_start_host = -1  # the first new slot written into open_start (host copy)
         self.basis: KeyBasis | None = None  # the page boxes' axes (principal_bounds), set by the first chunk
 
     def use_row_pages(self, pages: torch.Tensor) -> None:
@@ -92,19 +94,40 @@ class LayerStorage:
         self.meta.reserve(plan.max_pages_after)
 
     def reserve_graphed_step(self, plan: AppendPlan) -> None:
-        """The host side of :meth:`prepare_token_slots` for a graphed step: pool slots, page-table, metadata and
-        host-tier room (and transfer counts) for what the step ``plan`` opens and retires; the device side runs in
-        the step's recorded work, every step, deciding per request on the device. Once per step (a second call with
-        the same plan does nothing); the only part of a graphed step's host work that can reallocate what a recorded
-        graph reads."""
+        """The host side of :meth:`prepare_token_slots` for a graphed step: :meth:`make_graphed_step_room` (unless
+        made ahead), then the step's pool slots and transfer counts (host integers); the device side runs in the
+        step's recorded work, every step, deciding per request on the device. Once per step (a second call with the
+        same plan does nothing)."""
         if self._reserved_plan is plan:
             return
+        self.make_graphed_step_room(plan)
         if self.offloaded is not None:
-            self.offloaded.prepare_retirement(plan.full_pages_before, plan.num_full_tails)
+            self.offloaded.count_retirement(plan.num_full_tails)
         if self.resident is not None and plan.num_new_pages:
-            self.open_start.fill_(self.resident.reserve_pages(plan))
-        self.meta.reserve(plan.max_pages_after)
+            start = self.resident.pool.allocate(plan.num_new_pages * self.resident.num_heads)  # room made: no growth
+            if start != self._open_start_host:  # the pool moved on since the room was made
+                self._fill_open_start(start)
         self._reserved_plan = plan
+
+    def make_graphed_step_room(self, plan: AppendPlan) -> None:
+        """Page-table, pool, metadata and host-tier room for what the graphed step ``plan`` opens and retires, and
+        its first new pool slot written where the recorded work reads it: the only part of a graphed step's host
+        work that can reallocate what a recorded graph reads. Safe ahead of the step, even of one that never comes
+        (another chunk first): it takes no slot and counts nothing (:meth:`reserve_graphed_step` does). Once per
+        plan."""
+        if self._room_plan is plan:
+            return
+        if self.offloaded is not None:
+            self.offloaded.make_retirement_room(plan.full_pages_before)
+        if self.resident is not None and plan.num_new_pages:
+            self.resident.make_room(plan)
+            self._fill_open_start(self.resident.pool.used)
+        self.meta.reserve(plan.max_pages_after)
+        self._room_plan = plan
+
+    def _fill_open_start(self, start: int) -> None:
+        self.open_start.fill_(start)
+        self._open_start_host = start
 
     def append_chunk(self, keys: torch.Tensor, values: torch.Tensor, plan: AppendPlan) -> None:
         """Append a chunk of several tokens ``[B, H, T, D]`` to both head classes following ``plan`` (with

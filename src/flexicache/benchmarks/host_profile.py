@@ -46,7 +46,7 @@ CALLEES = (r"flexicache_attention_forward|\(decode\)|decode_paths.py:\d+\(run\)|
 
 # (owner, method name): the host-side parts of a decode step worth timing one by one
 TIMED = ((FlexiLayer, "update"), (FlexiLayer, "decode"), (LayerStorage, "prepare_token_slots"),
-         (LayerStorage, "reserve_graphed_step"),
+         (LayerStorage, "reserve_graphed_step"), (LayerStorage, "make_graphed_step_room"),
          (TorchDecode, "rerank_stable"), (GraphedDecode, "run"), (TorchDecode, "run"),
          (SequenceState, "plan_chunk"), (DecodeGraph, "load"), (DecodeGraph, "run"), (FlashInferBackend, "prepare"),
          (OffloadedPages, "retire_full_tails"), (OffloadedPages, "rerank"), (DynamicLayer, "update"))
