@@ -155,6 +155,8 @@ for model in ${models[@]}; do
             # the defaults: the online split ranking heads by what staleness costs them (split_score=staleness)
             qwen_synthetic_online passkey 8192 "$root/levers/qwen2.5-coder-synthetic-8k-passkey-staleness-online" \
                 budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3,split_score=staleness
+            qwen_synthetic_online niah_single_1 8192 "$root/levers/qwen2.5-coder-synthetic-8k-niah-staleness-online" \
+                budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3,split_score=staleness
             # the same at 1/16 (budget 512, K = 64 standby pages)
             eval_cpu --model qwen2.5-coder --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
