@@ -256,6 +256,14 @@ for model in ${models[@]}; do
                 budget=160,exact_rescore=true,standby_pages=20,head_budgets=prompt,exact_candidates=3,split_score=staleness \
                 --data "$root/lcc_stdlib_20.jsonl" --context-length 8192 --max-new-tokens 24 \
                 --out "$root/levers/qwen2.5-coder-lcc-3k-staleness-online"
+            # 40 more completions (another seed, no record shared with the 20): both rankings at 1/8
+            python eval/build_lcc_set.py --count 40 --seed 1 --min-words 800 --max-words 1600 \
+                --out "$root/lcc_stdlib_seed1_40.jsonl"
+            eval_cpu --model qwen2.5-coder --suite lcc --page-size 8 --profile online \
+                --method budget=320,exact_rescore=true,standby_pages=40,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                budget=320,exact_rescore=true,standby_pages=40,head_budgets=prompt,exact_candidates=3,split_score=overlap \
+                --data "$root/lcc_stdlib_seed1_40.jsonl" --context-length 8192 --max-new-tokens 24 \
+                --out "$root/levers/qwen2.5-coder-lcc-3k-seed1-40-online"
             eval_cpu --model qwen2.5-coder --suite synthetic \
                 --tasks passkey niah_single_1 --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --profile online \
