@@ -104,7 +104,7 @@ class LayerStorage:
         if self.offloaded is not None:
             self.offloaded.count_retirement(plan.num_full_tails)
         if self.resident is not None and plan.num_new_pages:
-            start = self.resident.pool.allocate(plan.num_new_pages * self.resident.num_heads)  # room made: no growth
+            start = self.resident.reserve_pages(plan)  # its room made: slots only, no growth
             if start != self._open_start_host:  # the pool moved on since the room was made
                 self._fill_open_start(start)
         self._reserved_plan = plan
