@@ -77,13 +77,18 @@ def test_new_generate_spelling_cache_keyword():
     config = tiny_config("llama", group=2, num_kv_heads=2, num_layers=2)
     model = tiny_model(config, seed=8)
     ids = random_prompt(25, seed=8).view(1, -1)
-    cache = FlexiCache.from_model(model, token_budget=64, page_size=8)
-    try:
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=8, do_sample=False)
+
+    def generate(cache) -> torch.Tensor:
+        return model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=8, do_sample=False)
+
+    try:  # asked of a DynamicCache, so that an error of FlexiCache's below fails the test
+        expected = generate(dense_cache(model))
     except (TypeError, ValueError) as error:  # transformers 5.17 only knows past_key_values=
         pytest.skip(f"this transformers has no generate(cache=): {error}")
+    cache = FlexiCache.from_model(model, token_budget=64, page_size=8)
+    out = generate(cache)
     assert cache.stats()["decode_steps"] == 7
-    assert torch.equal(out, greedy(model, ids, dense_cache(model), None, 8))
+    assert torch.equal(out, expected) and torch.equal(out, greedy(model, ids, dense_cache(model), None, 8))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -112,16 +117,17 @@ def test_chunked_prefill_matches_one_prefill():
         return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, do_sample=False,
                               **options)
 
+    try:  # asked of a DynamicCache, so that an error of FlexiCache's below fails the test
+        generate(dense_cache(model), prefill_chunk_size=16)
+    except (TypeError, ValueError) as error:  # a transformers without chunked prefill in generate
+        pytest.skip(f"this transformers has no generate(prefill_chunk_size=): {error}")
     for budget, reference in ((128, generate(dense_cache(model))), (24, None)):
         settings = {"profile": mixed_profile(config), "token_budget": budget, "page_size": 8,
                     "principal_bounds": reference is not None}
         if reference is None:
             reference = generate(FlexiCache.from_model(model, **settings))
         cache = FlexiCache.from_model(model, **settings)
-        try:
-            chunked = generate(cache, prefill_chunk_size=16)
-        except (TypeError, ValueError) as error:  # a transformers without chunked prefill in generate
-            pytest.skip(f"this transformers has no generate(prefill_chunk_size=): {error}")
+        chunked = generate(cache, prefill_chunk_size=16)
         prefill_chunks = -(-ids.shape[1] // 16)
         assert all(layer.num_chunks == prefill_chunks + cache.stats()["decode_steps"] for layer in cache.layers)
         assert torch.equal(chunked, reference), budget

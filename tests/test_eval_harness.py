@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import math
 import re
 from collections import Counter
 from pathlib import Path
@@ -322,13 +323,16 @@ def test_generate_matches_the_forward_loop_and_plain_generate(tiny_tokenizer, ti
 
 def test_stop_tokens_and_min_new_tokens(tiny_tokenizer, tiny_model):
     ids = prompt_ids(tiny_tokenizer)
-    free = greedy_generate(tiny_model, ids, fresh(tiny_model), 5, set())
-    first, third = free[0], free[2]
+    free = greedy_generate(tiny_model, ids, fresh(tiny_model), 8, set())
+    first = free[0]
+    # the first position after 0 whose token did not come before: the run must stop there when it is a stop token
+    later = next((index for index, token in enumerate(free) if index > 0 and token not in free[:index]), None)
+    assert later is not None, free  # the free run must hold a second distinct token for the check below
     for run in (lambda *a, **k: generate(tiny_model, [ids], fresh(tiny_model), *a, **k)[0],
                 lambda *a, **k: greedy_generate(tiny_model, ids, fresh(tiny_model), *a, **k)):
-        assert run(5, {first}) == [first]  # the stop token is kept
-        assert run(5, {third}) == free[:3] or first == third
-        blocked = run(5, {first}, min_new_tokens=1)
+        assert run(8, {first}) == [first]  # the stop token is kept
+        assert run(8, {free[later]}) == free[:later + 1]  # stops at a later token's first occurrence
+        blocked = run(8, {first}, min_new_tokens=1)
         assert blocked[0] != first
 
 
@@ -388,7 +392,7 @@ def test_decode_nll_matches_one_forward(tiny_tokenizer, tiny_model):
     expected = -torch.log_softmax(logits[19:-1], -1).gather(1, torch.tensor(ids[20:]).view(-1, 1)).sum()
     assert count == len(ids) - 20
     assert nll == pytest.approx(float(expected), rel=1e-5)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"prefill must be in \[1, "):
         perplexity.decode_nll(tiny_model, ids, DynamicCache(config=tiny_model.config), prefill=len(ids))
 
 
@@ -455,6 +459,41 @@ def test_runner_compares_methods_and_resumes(tiny_tokenizer, tiny_model, tmp_pat
     tasks[0].samples.append(Sample(id="3", input_ids=prompt_ids(tiny_tokenizer, 30), max_new_tokens=3))
     run_tasks(tiny_model, tiny_tokenizer, tasks, methods, tmp_path, progress=False)
     assert calls == ["dense", "copy"]
+
+
+class ValuelessCache(DynamicCache):
+    """A cache that stores zeros for every value (attention outputs zero): a method whose answers and perplexity
+    differ from dense's, to tell the runner's per-method numbers apart."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return super().update(key_states, torch.zeros_like(value_states), layer_idx, *args, **kwargs)
+
+
+def test_runner_scores_each_method_on_its_own_predictions(tiny_tokenizer, tiny_model, tmp_path):
+    """The ratio, the fidelity and the perplexity ratio of a method that differs from dense equal those computed by
+    hand from the two methods' stored predictions (so no number can come from the wrong method)."""
+    methods = [dense_method(tiny_model), Method("valueless", lambda: ValuelessCache(config=tiny_model.config))]
+    tasks = runner_tasks(tiny_tokenizer)
+    summary = run_tasks(tiny_model, tiny_tokenizer, tasks, methods, tmp_path, progress=False)
+    store = PredictionStore(tmp_path)
+    dense, valueless = store.load("gen", "dense"), store.load("gen", "valueless")
+    ids = sorted(dense)
+    assert ids == sorted(valueless) == ["0", "1", "2"]
+
+    def mean_score(records) -> float:
+        chars = LengthMetric().score([records[i]["pred"] for i in ids], [])["chars"]
+        return sum(chars) / len(chars)
+
+    gen = summary["tasks"]["gen"]
+    assert gen["score"]["valueless"] == pytest.approx(100 * mean_score(valueless))  # scores are in percent
+    assert gen["ratio"]["valueless"] == pytest.approx(mean_score(valueless) / mean_score(dense))
+    same = [valueless[i]["tokens"] == dense[i]["tokens"] for i in ids]
+    assert not all(same)  # the zeroed values change the answers: the check below compares something
+    assert gen["fidelity"]["valueless"]["identical"] == pytest.approx(sum(same) / len(ids))
+    (dense_ppl,), (valueless_ppl,) = (store.load("ppl", name).values() for name in ("dense", "valueless"))
+    expected = math.exp((valueless_ppl["nll"] - dense_ppl["nll"]) / dense_ppl["scored_tokens"])
+    assert valueless_ppl["scored_tokens"] == dense_ppl["scored_tokens"] and expected != pytest.approx(1.0)
+    assert summary["tasks"]["ppl"]["ratio"]["valueless"] == pytest.approx(expected)
 
 
 def test_runner_batches_equal_length_prompts_like_batch_one(tiny_tokenizer, tmp_path):

@@ -11,6 +11,7 @@ from conftest import (
     dense_cache,
     greedy,
     mixed_profile,
+    needs_fast_cuda_path,
     random_prompt,
     tiny_config,
     tiny_model,
@@ -126,7 +127,7 @@ def test_exact_candidates_must_be_a_multiple_of_k_from_1_to_8(candidates):
     assert FlexiCacheConfig(token_budget=64, page_size=8, exact_candidates=3).candidate_pages == 24
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_fast_cuda_path
 @pytest.mark.parametrize("candidates", [2, 3])
 def test_on_cuda_the_triton_kernels_choose_what_the_torch_path_chooses(candidates):
     """On CUDA the option runs in the Triton kernels: with the torch reference backend in float64 (the fused eager

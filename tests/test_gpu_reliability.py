@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_fast_cuda_path
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from flexicache import FlexiCache, HeadProfile, host_pool
@@ -187,7 +188,7 @@ def stored_state(cache: FlexiCache) -> list:
 
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_fast_cuda_path
 def test_a_crop_on_the_cuda_path_restores_the_state_before_the_cropped_tokens(cuda_graphs: bool) -> None:
     """Teacher-forced tokens, a snapshot, more tokens, a crop back to the snapshot: every stored token, page min/max
     and host-tier page equals the snapshot's; the same tokens fed again give the same logits (a covering budget:
@@ -267,7 +268,7 @@ def test_assisted_generation_through_crops_on_the_cuda_path(monkeypatch: pytest.
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_fast_cuda_path
 def test_a_graphed_step_that_fails_is_refused_until_reset(monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_model()
     ids = torch.randint(0, 512, (2, 1000), device="cuda")

@@ -15,6 +15,7 @@ from conftest import (
     tiny_config,
     tiny_model,
 )
+from transformers import DynamicCache
 
 import flexicache
 from flexicache.oracle import OracleCache, oracle_token_mask
@@ -67,15 +68,20 @@ def test_oracle_decode_equals_attention_over_the_true_top_pages() -> None:
     model.set_attn_implementation("flexicache")
     cache = OracleCache(config, token_budget=12, page_size=4)
     ids = random_prompt(30, seed=7).view(1, -1)
+    dense = DynamicCache(config=config)
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, past_key_values=dense, use_cache=True)
     layer = cache.layers[0]
     query = torch.randn(1, 4, 1, 8, dtype=torch.float64)
     keys, values = torch.randn(2, 1, 2, 1, 8, dtype=torch.float64).unbind(0)
     layer.update(keys, values)
     chunk = flexicache.handoff.take(0)
     output = layer.decode(chunk, query, scale=0.3)[0, 0]  # [Hq, D]
-    all_keys, all_values = layer.keys[0], layer.values[0]  # [H, 31, D]
+    # the reference reads the prompt's KV from a DynamicCache and the new token as passed, not the oracle's storage
+    all_keys = torch.cat([dense.layers[0].keys, keys], dim=2)[0]  # [H, 31, D]
+    all_values = torch.cat([dense.layers[0].values, values], dim=2)[0]
+    assert torch.equal(layer.keys[0], all_keys) and torch.equal(layer.values[0], all_values)
     for head in range(2):
         group = query[0, 2 * head : 2 * head + 2, 0]
         weights = torch.softmax(group @ all_keys[head].T * 0.3, dim=-1)  # [G, 31]

@@ -7,6 +7,7 @@ offload through accelerate's hooks), and real tensor parallelism with ``tp_plan=
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -362,6 +363,8 @@ def nccl_unavailable() -> str | None:
         return "needs two GPUs"
     if not (dist.is_available() and dist.is_nccl_available()):
         return "this torch build has no NCCL backend"
+    if importlib.util.find_spec("flashinfer") is None:
+        return "needs FlashInfer (the test checks its decode on every rank)"
     return None
 
 

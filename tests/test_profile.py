@@ -118,8 +118,9 @@ def test_from_pretrained_hub_id_downloads(tmp_path, monkeypatch):
     assert calls == [("someone/some-profiles", "llama.json", "v1")]
 
 
-def test_from_pretrained_hub_online():
-    """Real download; skipped without hub access (this project's CI and sandboxes are offline)."""
+def test_a_profile_missing_from_a_real_hub_repository_raises_entry_not_found():
+    """A real hub request for a file the repository lacks raises the hub's own error (not a FlexiCache one); skipped
+    without hub access (this project's CI and sandboxes are offline)."""
     huggingface_hub = pytest.importorskip("huggingface_hub")
     from huggingface_hub.errors import LocalEntryNotFoundError
 

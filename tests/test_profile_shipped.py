@@ -28,7 +28,7 @@ def smollm2_config(**overrides) -> LlamaConfig:
 
 def test_shape_and_settings(profile):
     profile.validate_for(smollm2_config())
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="made for a model with 30 layers, 3 KV heads.*has 30 layers, 9 KV heads"):
         profile.validate_for(smollm2_config(num_key_value_heads=9))
     assert profile.model == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert (profile.page_size, profile.token_budget, profile.unstable_fraction) == (16, 256, 0.25)

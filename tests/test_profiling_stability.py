@@ -207,7 +207,7 @@ def test_bottom_quantile_mask_and_counts():
     mask = bottom_quantile_mask(scores, 0.25)
     assert mask.flatten().tolist() == [True] * 3 + [False] * 9
     assert lowest_count(90, 0.25) == 23 and lowest_count(16, 0.25) == 4 and lowest_count(5, 0.0) == 0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"fraction must be in \[0, 1\], got 1.5"):
         lowest_count(10, 1.5)
 
 

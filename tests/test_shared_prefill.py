@@ -200,7 +200,7 @@ def test_perplexity_from_a_shared_prefill_equals_its_own(tokenizer, model):
     for make in (lambda: DynamicCache(config=model.config),
                  lambda: FlexiCache.from_model(model, token_budget=16, page_size=4, rerank_interval=2)):
         assert decode_nll_from(model, ids, make(), prefill) == decode_nll(model, ids, make(), 30)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"prefill must be in \[1, 29\], got 30"):
         decode_nll_from(model, ids[:30], DynamicCache(config=model.config), prefill)
 
 
