@@ -598,6 +598,13 @@ PY
                 --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,split_score=staleness \
                 budget=96,exact_rescore=true,standby_pages=12,head_budgets=prompt,exact_candidates=3,split_score=staleness \
                 --out "$root/levers/ppl-1.5k-replicate-staleness-online"
+            echo "+ levers: the defaults with the float8 host tier (host_dtype=float8_e4m3fn)"
+            eval_cpu --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
+                --context-length 1536 --prefill 1024 --profile online --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,split_score=staleness,host_dtype=float8_e4m3fn \
+                --out "$root/levers/ppl-1.5k-float8-staleness-online"
+            eval_cpu --model smollm2 --suite ppl --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" \
+                --context-length 1536 --prefill 1024 --profile online --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,split_score=staleness,host_dtype=float8_e4m3fn \
+                --out "$root/levers/ppl-1.5k-replicate-float8-staleness-online"
             echo "+ levers: the share of heads the online split makes unstable (unstable_fraction), the defaults"
             eval_cpu --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
                 --context-length 1536 --prefill 1024 --profile online \
