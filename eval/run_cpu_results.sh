@@ -179,6 +179,9 @@ for model in ${models[@]}; do
             qwen_synthetic_online niah_single_1 16384 \
                 "$root/levers/qwen2.5-coder-synthetic-16k-niah-candidates-online" \
                 budget=2048,exact_rescore=true,standby_pages=256,head_budgets=prompt,exact_candidates=3
+            # the same with the staleness ranking (the defaults)
+            qwen_synthetic_online passkey 16384 "$root/levers/qwen2.5-coder-synthetic-16k-passkey-staleness-online" \
+                budget=2048,exact_rescore=true,standby_pages=256,head_budgets=prompt,exact_candidates=3,split_score=staleness
             eval_cpu --model qwen2.5-coder --suite synthetic \
                 --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --method budget=512,exact_rescore=true \
@@ -214,6 +217,13 @@ for model in ${models[@]}; do
                 --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,split_score=staleness \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-replicate-staleness-online"
+            # the defaults with the float8 host tier (host_dtype=float8_e4m3fn)
+            eval_cpu_exact --model qwen2.5-coder --suite ppl --page-size 8 --profile online --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,split_score=staleness,host_dtype=float8_e4m3fn \
+                --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/qwen2.5-coder-ppl-2k-float8-staleness-online"
+            eval_cpu_exact --model qwen2.5-coder --suite ppl --page-size 8 --profile online --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,split_score=staleness,host_dtype=float8_e4m3fn \
+                --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
+                --out "$root/levers/qwen2.5-coder-ppl-2k-replicate-float8-staleness-online"
             # half the heads unstable (unstable_fraction=0.5), the defaults otherwise
             eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 --profile online \
                 --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,unstable_fraction=0.5 \
