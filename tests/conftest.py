@@ -48,11 +48,11 @@ needs_fast_cuda_path = pytest.mark.skipif(
     or importlib.util.find_spec("triton") is None, reason="needs CUDA with FlashInfer and Triton (the fast CUDA path)")
 
 
-# The slowest files, slowest first (seconds on one core of a 2-core runner: 475, 409, 268, 232, 131, 115). The test
+# The slowest files, slowest first (seconds on one core of a 2-core runner: 507, 257, 244, 163, 159, 113). The test
 # workers take whole files in collection order (pyproject: --dist loadfile --no-loadscope-reorder): handed out
 # first, these run beside the many short files instead of alone at the end.
-SLOWEST_FILES = ("test_triton_interpreted.py", "test_gemma3_270m.py", "test_triton_interpreted_steps.py",
-                 "test_notebooks.py", "test_eval_scripts.py", "test_examples.py")
+SLOWEST_FILES = ("test_triton_interpreted.py", "test_triton_interpreted_steps.py", "test_notebooks.py",
+                 "test_gemma3_270m.py", "test_eval_scripts.py", "test_examples.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

