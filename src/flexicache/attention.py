@@ -1,6 +1,6 @@
 """The ``"flexicache"`` attention function registered with transformers.
 
-Prefill chunks (several query tokens) run dense sdpa and are committed into the cache's pages afterwards; a
+Prefill chunks (several query tokens) are committed into the cache's pages, then run dense sdpa; a
 single-token decode step on a non-empty FlexiCache runs the layer's sparse paged decode. The chunk comes from the
 cache's ``update`` through :mod:`flexicache.handoff`. A sliding-window layer of a hybrid model stages a dense chunk:
 its attention is sdpa over its window, with the mask transformers built for its layer type. Without a FlexiCache in

@@ -177,9 +177,9 @@ class StepGraphStore:
 
         Returns:
             ``(which layers rerank their stable heads, the step's plan)``, or ``None`` when a graph recorded for
-            ``storage`` would read stale buffers. Either way the step has begun (its plan is taken, pages are
-            reserved): after ``None`` the caller must take :meth:`begin` (which does not repeat the reservations)
-            and record or replay.
+            ``storage`` would read stale buffers. Either way the step has begun (its plan is taken, its pages may
+            be reserved): after ``None`` the caller must take :meth:`begin` (which reserves only what is not
+            reserved yet) and record or replay.
         """
         layers = self.layers
         plan = layers[0].graphed_step_plan()

@@ -1,4 +1,4 @@
-"""FlashInfer sparse paged decode: rows = (request, KV head), ``num_kv_heads=1``, at most one ``plan()`` per step.
+"""FlashInfer sparse paged decode: rows = (request, KV head), ``num_kv_heads=1``, a ``plan()`` per step and page split.
 
 Every row attends to ``min(K, pages)`` pages, a count that depends only on the request's length, so all layers of
 one step share the plan (built from host-side lengths, no device sync), and once every row is at the budget the
@@ -53,7 +53,7 @@ class SharedLengths:
 class PlannedDecode:
     """A planned step: the wrapper and the buffers a layer fills before :meth:`FlashInferBackend.run_prepared`.
 
-    ``indices``: int32 ``[R * K + 1]`` pool slot of every listed page, row ``r`` at
+    ``indices``: int32 ``[R * W + 1]`` (``W``: the widest row's pages) pool slot of every listed page, row ``r`` at
     ``indices[indptr[r]:indptr[r+1]]`` (the last entry is a never-read dump for unlisted entries);
     ``indptr``: int32 ``[R + 1]`` on the device (written by the plan); ``last_page_len``: int32 ``[R]`` on the
     device, tokens in each row's last listed page.

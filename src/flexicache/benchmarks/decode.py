@@ -6,7 +6,7 @@ with a device synchronisation. With ``--decode-rounds N`` every point is measure
 turns in alternating order (a slow stretch of the host hits every system alike); a row's step statistics are
 over the pooled steps of its rounds, and ``round_p50_ms`` keeps each round's median. On CUDA, ``--profile-steps``
 more steps run under the torch profiler for the device busy time (kernels + copies), so that host-bound steps show
-as ``step time >> device time`` (at the targets' batch, ``--attention-batch``, only).
+as ``step time >> device time`` (at ``--attention-batch`` only).
 
 The model has ``--layers`` decoder layers. Its loop cost is calibrated per batch size with DynamicCache at
 ``--loop-context`` on 1 and ``--layers`` layers: ``fixed`` (embedding, lm_head, sampling, generate's bookkeeping)
@@ -159,7 +159,7 @@ def with_full_depth(suite: Suite, model_name: str, batch: int, row: dict[str, An
 
 def measurement_order(contexts: list[int], batches: list[int], context: int, batch: int, loop_context: int
                       ) -> list[tuple[int, int]]:
-    """The ``(context, batch)`` grid, the targets' points first (``context x batch``, then ``loop_context x batch``),
+    """The ``(context, batch)`` grid, the headline points first (``--attention-context x --attention-batch``, then ``loop_context x batch``),
     the rest by decreasing context, so that a time budget cuts the least important measurements."""
     grid = [(c, b) for c in contexts for b in batches]
     return sorted(grid, key=lambda point: (point != (context, batch), point != (loop_context, batch), -point[0],

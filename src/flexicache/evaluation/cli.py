@@ -23,7 +23,6 @@ SUITES = ("longbench", "leval", "synthetic", "ppl", "lcc")
 IDENTITY = ("suite", "model", "gguf_file", "context_length", "decode_tail", "chat", "seed", "page_size",
             "rerank_interval", "standby_pages", "exact_rescore", "exact_candidates", "head_budgets", "split_score",
             "profile", "prefill", "max_new_tokens", "dtype", "data", "stop_strings")
-# identity settings added later: a folder that does not record them ran with SETTINGS_BEFORE_RECORDED's values
 # suites whose samples depend on the sample count (passkey spreads its needle depths over --limit samples)
 IDENTITY_BY_SUITE = {"synthetic": ("limit",)}
 DEFAULT_SYNTHETIC_SAMPLES = 5

@@ -1,8 +1,8 @@
 """One dense prefill per batch, shared by every method (row) of the accuracy table.
 
 A prompt's first forward is dense under every built-in method: a ``DynamicCache`` attends densely, and the
-flexicache attention runs a prefill chunk as sdpa for a FlexiCache or an OracleCache too, then commits the chunk's
-keys and values into the cache (a FlexiCache seeds its stable heads' selection with the chunk's last query). That
+flexicache attention commits a prefill chunk's keys and values into a FlexiCache or an OracleCache, then runs the
+chunk as sdpa too (a FlexiCache seeds its stable heads' selection with the chunk's last query). That
 forward's logits, and the keys and values it hands the cache, are therefore the same under every method. The runner
 computes it once per batch into a ``DynamicCache`` (the snapshot), the probe attention recording each layer's last
 query (:func:`prefill_forward`, :func:`prefill_generation`), and fills each method's fresh cache from it

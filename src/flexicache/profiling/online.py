@@ -4,8 +4,8 @@ Every query position ``p`` of the prompt tail is treated like a decode step over
 (``p // page_size + 1`` of them, the one holding ``p`` forced as the tail); the top-K sets of neighbouring tail
 positions are compared with the same RCO as the offline profiler. FlexiCache's online split
 (:mod:`flexicache.head_split`) calls :func:`prompt_stability` per layer at prefill;
-:func:`estimate_unstable_heads_from_prompt` is an analysis helper over all layers of one request (Quest's bound, no
-floor on the count), not what a cache does.
+:func:`estimate_unstable_heads_from_prompt` is an analysis helper over all layers of a batch, each request's heads
+split on their own (Quest's bound, no floor on the count), not what a cache does.
 """
 
 from __future__ import annotations
