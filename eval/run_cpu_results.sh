@@ -182,6 +182,9 @@ for model in ${models[@]}; do
             # the same with the staleness ranking (the defaults)
             qwen_synthetic_online passkey 16384 "$root/levers/qwen2.5-coder-synthetic-16k-passkey-staleness-online" \
                 budget=2048,exact_rescore=true,standby_pages=256,head_budgets=prompt,exact_candidates=3,split_score=staleness
+            qwen_synthetic_online niah_single_1 16384 \
+                "$root/levers/qwen2.5-coder-synthetic-16k-niah-staleness-online" \
+                budget=2048,exact_rescore=true,standby_pages=256,head_budgets=prompt,exact_candidates=3,split_score=staleness
             eval_cpu --model qwen2.5-coder --suite synthetic \
                 --tasks passkey --lengths 8192 --limit 20 --max-new-tokens 24 --context-length 8192 \
                 --page-size 8 --method budget=512,exact_rescore=true \
