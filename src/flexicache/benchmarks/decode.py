@@ -159,8 +159,9 @@ def with_full_depth(suite: Suite, model_name: str, batch: int, row: dict[str, An
 
 def measurement_order(contexts: list[int], batches: list[int], context: int, batch: int, loop_context: int
                       ) -> list[tuple[int, int]]:
-    """The ``(context, batch)`` grid, the headline points first (``--attention-context x --attention-batch``, then ``loop_context x batch``),
-    the rest by decreasing context, so that a time budget cuts the least important measurements."""
+    """The ``(context, batch)`` grid, the headline points first (``--attention-context x --attention-batch``, then
+    ``loop_context x batch``), the rest by decreasing context, so that a time budget cuts the least important
+    measurements."""
     grid = [(c, b) for c in contexts for b in batches]
     return sorted(grid, key=lambda point: (point != (context, batch), point != (loop_context, batch), -point[0],
                                            point[1]))

@@ -72,7 +72,8 @@ class FlexiCacheMethod:
 
     ``options`` are FlexiCache settings (``token_budget``, ``page_size``, ``rerank_interval``, ``group_reduce``,
     ...); ``profile_name`` says where ``profile`` came from (a path, a shipped profile's name); ``profile=None``
-    is the library's default, the head split estimated from each prompt. The name defaults to ``flexicache@<token_budget>``.
+    is the library's default, the head split estimated from each prompt. The name defaults to
+    ``flexicache@<token_budget>``.
     """
 
     model: Any

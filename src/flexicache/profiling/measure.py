@@ -3,8 +3,8 @@
 Queries come from the probe attention function, keys from a ``DynamicCache``-like cache laid out as FlexiCache
 lays out the model (:func:`tracing_cache`). Each step the per-page key min/max is updated for the tail page only,
 pages are scored with :func:`quest_page_scores` (Quest's bound in the model's axes: the paper's page scores, not the
-cache's defaults) and chosen with :func:`select_pages` (sink and tail forced). In a model with sliding-window layers only its
-sparse paged (full-attention) layers are measured: the ones a profile covers (:mod:`flexicache.hybrid`).
+cache's defaults) and chosen with :func:`select_pages` (sink and tail forced). In a model with sliding-window layers
+only its sparse paged (full-attention) layers are measured: the ones a profile covers (:mod:`flexicache.hybrid`).
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ class SampleTrace:
 def select_by_quest(
     query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k: int, group_reduce: GroupReduce = "max"
 ) -> torch.Tensor:
-    """Top-K by Quest's bound (the paper's selection): ``query [..., Hq, D]``, ``kmin/kmax [..., H, P, D]`` -> pages ``[..., H, min(k, P)]``.
+    """Top-K by Quest's bound (the paper's selection): ``query [..., Hq, D]``, ``kmin/kmax [..., H, P, D]`` -> pages
+    ``[..., H, min(k, P)]``.
 
     Leading dims (e.g. ``[L, B]``) are flattened into rows. Query head ``j`` belongs to KV head ``j // (Hq // H)``
     (transformers' ``repeat_kv`` layout).
