@@ -220,6 +220,10 @@ for model in ${models[@]}; do
                 --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,split_score=staleness \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/qwen2.5-coder-ppl-2k-replicate-staleness-online"
+            eval_cpu_exact --model qwen2.5-coder --suite ppl --page-size 8 --profile online \
+                --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                --data "$stdlib/enum.py" "$stdlib/functools.py" "$stdlib/pathlib.py" "$stdlib/tempfile.py" \
+                --context-length 2048 --prefill 1536 --out "$root/levers/qwen2.5-coder-ppl-2k-four-more-files-staleness-online"
             # the defaults with the float8 host tier (host_dtype=float8_e4m3fn)
             eval_cpu_exact --model qwen2.5-coder --suite ppl --page-size 8 --profile online --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,split_score=staleness,host_dtype=float8_e4m3fn \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
@@ -611,6 +615,20 @@ PY
                 --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,split_score=staleness \
                 budget=96,exact_rescore=true,standby_pages=12,head_budgets=prompt,exact_candidates=3,split_score=staleness \
                 --out "$root/levers/ppl-1.5k-replicate-staleness-online"
+            echo "+ levers: the defaults on four more files, their oracle pages (K per head) and three levers"
+            more_files=("$stdlib/enum.py" "$stdlib/functools.py" "$stdlib/pathlib.py" "$stdlib/tempfile.py")
+            defaults=budget=192,exact_rescore=true,head_budgets=prompt,exact_candidates=3,split_score=staleness
+            eval_cpu --model smollm2 --suite ppl --data "${more_files[@]}" --context-length 1536 --prefill 1024 \
+                --profile online \
+                --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                budget=96,exact_rescore=true,standby_pages=12,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                --out "$root/levers/ppl-1.5k-four-more-files-staleness-online"
+            eval_cpu --model smollm2 --suite ppl --data "${more_files[@]}" --context-length 1536 --prefill 1024 \
+                --page-size 8 --profile online --budget 192 --oracle --out "$root/levers/ppl-1.5k-four-more-files-oracle"
+            eval_cpu --model smollm2 --suite ppl --data "${more_files[@]}" --context-length 1536 --prefill 1024 \
+                --profile online --method $defaults,standby_pages=24,rerank_interval=8 \
+                $defaults,standby_pages=24,unstable_fraction=0.5 $defaults,standby_pages=48 \
+                --out "$root/levers/ppl-1.5k-four-more-files-levers"
             echo "+ levers: the defaults with the float8 host tier (host_dtype=float8_e4m3fn)"
             eval_cpu --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
                 --context-length 1536 --prefill 1024 --profile online --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,split_score=staleness,host_dtype=float8_e4m3fn \
