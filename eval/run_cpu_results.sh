@@ -224,6 +224,9 @@ for model in ${models[@]}; do
                 --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,split_score=staleness \
                 --data "$stdlib/enum.py" "$stdlib/functools.py" "$stdlib/pathlib.py" "$stdlib/tempfile.py" \
                 --context-length 2048 --prefill 1536 --out "$root/levers/qwen2.5-coder-ppl-2k-four-more-files-staleness-online"
+            eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 --profile online --budget 256 --oracle \
+                --data "$stdlib/enum.py" "$stdlib/functools.py" "$stdlib/pathlib.py" "$stdlib/tempfile.py" \
+                --context-length 2048 --prefill 1536 --out "$root/levers/qwen2.5-coder-ppl-2k-four-more-files-oracle"
             # the defaults with the float8 host tier (host_dtype=float8_e4m3fn)
             eval_cpu_exact --model qwen2.5-coder --suite ppl --page-size 8 --profile online --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,split_score=staleness,host_dtype=float8_e4m3fn \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
@@ -383,6 +386,11 @@ PY
                 budget=128,exact_rescore=true,standby_pages=16,head_budgets=prompt,exact_candidates=3,unstable_fraction=1.0 \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
                 --out "$root/levers/gemma3-ppl-2k-every-head-unstable"
+            # the defaults and the 8-token oracle pages on four more files
+            eval_cpu --model gemma3 --suite ppl --page-size 8 --profile online --budget 256 --oracle \
+                --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                --data "$stdlib/enum.py" "$stdlib/functools.py" "$stdlib/pathlib.py" "$stdlib/tempfile.py" \
+                --context-length 2048 --prefill 1536 --out "$root/levers/gemma3-ppl-2k-four-more-files-online"
             eval_cpu --model gemma3 --suite ppl --page-size 8 --profile online --budget 256 128 --oracle \
                 --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,unstable_fraction=1.0 \
                 --data "$stdlib/dataclasses.py" "$stdlib/inspect.py" --context-length 2048 --prefill 1536 \
@@ -629,6 +637,11 @@ PY
                 --profile online --method $defaults,standby_pages=24,rerank_interval=8 \
                 $defaults,standby_pages=24,unstable_fraction=0.5 $defaults,standby_pages=48 \
                 --out "$root/levers/ppl-1.5k-four-more-files-levers"
+            echo "+ levers: the defaults with 4-token pages (K = 48 of them, K on standby) on all eight files"
+            eval_cpu --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" "$stdlib/dataclasses.py" \
+                "$stdlib/inspect.py" "${more_files[@]}" --context-length 1536 --prefill 1024 --profile online \
+                --method budget=192,page_size=4,exact_rescore=true,standby_pages=48,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                --out "$root/levers/ppl-1.5k-eight-files-page4-staleness-online"
             echo "+ levers: the defaults with the float8 host tier (host_dtype=float8_e4m3fn)"
             eval_cpu --model smollm2 --suite ppl --data "$stdlib/typing.py" "$stdlib/argparse.py" \
                 --context-length 1536 --prefill 1024 --profile online --method budget=192,exact_rescore=true,standby_pages=24,head_budgets=prompt,exact_candidates=3,split_score=staleness,host_dtype=float8_e4m3fn \
