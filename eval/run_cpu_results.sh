@@ -227,6 +227,10 @@ for model in ${models[@]}; do
             eval_cpu --model qwen2.5-coder --suite ppl --page-size 8 --profile online --budget 256 --oracle \
                 --data "$stdlib/enum.py" "$stdlib/functools.py" "$stdlib/pathlib.py" "$stdlib/tempfile.py" \
                 --context-length 2048 --prefill 1536 --out "$root/levers/qwen2.5-coder-ppl-2k-four-more-files-oracle"
+            eval_cpu_exact --model qwen2.5-coder --suite ppl --page-size 8 --profile online \
+                --method budget=256,page_size=4,exact_rescore=true,standby_pages=64,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                --data "$stdlib/enum.py" "$stdlib/functools.py" "$stdlib/pathlib.py" "$stdlib/tempfile.py" \
+                --context-length 2048 --prefill 1536 --out "$root/levers/qwen2.5-coder-ppl-2k-four-more-files-page4"
             # the defaults with the float8 host tier (host_dtype=float8_e4m3fn)
             eval_cpu_exact --model qwen2.5-coder --suite ppl --page-size 8 --profile online --method budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,split_score=staleness,host_dtype=float8_e4m3fn \
                 --data "$stdlib/typing.py" "$stdlib/argparse.py" --context-length 2048 --prefill 1536 \
