@@ -726,6 +726,15 @@ PY
                 --method budget=512,exact_rescore=true,standby_pages=64,head_budgets=prompt,exact_candidates=3,split_score=staleness \
                 budget=256,exact_rescore=true,standby_pages=32,head_budgets=prompt,exact_candidates=3,split_score=staleness \
                 --out "$root/levers/synthetic-4k-staleness-online"
+            echo "+ levers: the defaults with 4-token pages (K = 128, K on standby), passkey and needle at 4k"
+            eval_cpu --model smollm2 --suite synthetic --profile online \
+                --tasks passkey --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 --page-size 8 \
+                --method budget=512,page_size=4,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                --out "$root/levers/synthetic-4k-passkey-page4-staleness-online"
+            eval_cpu --model smollm2 --suite synthetic --profile online \
+                --tasks niah_single_1 --lengths 4096 --limit 20 --max-new-tokens 24 --context-length 4096 --page-size 8 \
+                --method budget=512,page_size=4,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3,split_score=staleness \
+                --out "$root/levers/synthetic-4k-niah_single_1-page4-staleness-online"
             eval_cpu --model smollm2 --suite synthetic --profile online \
                 --tasks passkey niah_single_1 --lengths 7680 --limit 20 --max-new-tokens 24 --page-size 8 \
                 --method budget=1024,exact_rescore=true,standby_pages=128,head_budgets=prompt,exact_candidates=3 \
